@@ -1,0 +1,685 @@
+"""
+DRT: the Differentiable Retrieval-based Transformer with Grouped Cross-Attention (GCA),
+in one file of PyTorch. Hu, Teng, Zhao, Wu, Tu: "Efficient Length-Generalizable Attention
+via Causal Retrieval for Long-Context Language Modeling", ICML 2025 (arXiv 2410.01651).
+
+The token stream is cut into chunks of S positions: S-1 text tokens and a landmark token
+that summarises them. Lower layers are a sliding-window transformer. A small bidirectional
+encoder turns each finished chunk into memory: per-token keys/values and a landmark vector
+l_k. In the upper layers the landmark of chunk t scores every earlier chunk, keeps the top-k,
+and every token of chunk t+1 attends to each picked chunk separately; the k outputs are
+mixed with weights from the scores (GCA). The weights carry the next-token loss back to the
+retriever, which so learns to fetch what helps predict the next chunk ("causal retrieval").
+Attention per token is constant (window + k*S), so the model runs at any length.
+
+Reading order, top to bottom: config -> positions (ALiBi) -> sliding-window attention ->
+GCA (Eq. 2) -> retrieval and its weights (Eq. 1, 3) -> blocks -> the streaming state
+(O(W) caches, chunk memory, CPU offload) -> the model. One forward serves training,
+long prefills in segments and token-by-token decoding: it processes a segment of the
+stream, optionally continuing a DecodeState.
+
+    from model import DRTConfig, DRT
+    model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
+    logits, loss = model(idx, targets)       # (B, T) text ids -> (B, T, vocab_size), loss
+    state = model.new_state(batch_size=1)    # inference at any length:
+    logits, _ = model(prompt, state=state)   #   prefill (B, 1, vocab_size) ...
+    logits, _ = model(next_ids, state=state) #   ... and continue the same stream
+
+    python model.py                          # parameter counts of the default configs
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class DRTConfig:
+    vocab_size: int = 50304      # GPT-2's 50257 ids + 1 landmark id, padded to a multiple of 64 (fast matmuls)
+    landmark_id: int = 50257     # the token inserted after every chunk_size-1 text tokens; never valid as input
+    n_embd: int = 768            # model width d
+    n_head: int = 12             # attention heads; head width n_embd // n_head
+    n_lower: int = 6             # lower decoder layers: sliding-window self-attention + SwiGLU
+    groups: tuple = (6,)         # upper layers per retrieval group, each group retrieves once; () = sliding-window baseline
+    n_enc: int = 2               # bidirectional chunk-encoder layers that make the memory of a finished chunk
+    chunk_size: int = 64         # S, positions per chunk: S-1 text tokens + 1 landmark, so every tile is S wide
+    window: int = 512            # W, self-attention window in positions (landmarks count); a multiple of chunk_size
+    topk: int = 8                # K, chunks retrieved per chunk; attention field = W + K*S positions
+    mlp_hidden: int = 0          # SwiGLU hidden width; 0 -> 8/3 * n_embd rounded up to a multiple of 64 (2048 at 768)
+    softmax_off_by_one: bool = True  # Eq. 3 weights exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
+    gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
+
+    def __post_init__(self):
+        self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
+        S, W = self.chunk_size, self.window
+        bad = []
+        if self.n_embd % self.n_head:
+            bad.append(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
+        if S < 2:
+            bad.append(f"chunk_size={S}: a chunk needs at least one text token and the landmark")
+        elif W < S or W % S:
+            bad.append(f"window={W} must be a positive multiple of chunk_size={S}")
+        if not 0 <= self.landmark_id < self.vocab_size:
+            bad.append(f"landmark_id={self.landmark_id} is outside the vocabulary [0, {self.vocab_size})")
+        if any(g < 1 for g in self.groups):
+            bad.append(f"groups={self.groups}: every group needs at least one layer")
+        if self.topk < 1:
+            bad.append(f"topk={self.topk} must be >= 1")
+        if self.n_lower < 0 or self.n_enc < 0:
+            bad.append("n_lower and n_enc must be >= 0")
+        if bad:
+            raise ValueError("bad DRTConfig: " + "; ".join(bad))
+
+    @property
+    def n_upper(self):
+        return sum(self.groups)
+
+    @property
+    def hidden(self):
+        return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+
+# -----------------------------------------------------------------------------
+# Positions: ALiBi. Self-attention only ever sees distances inside the window, and ALiBi
+# uses exactly those: bias = -slope * (i - j), from int64 positions. It stays exact at any
+# absolute position (fp32 RoPE angles pos*freq lose whole radians near 1.6e7).
+
+
+def alibi_slopes(n_head):
+    """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for a head count that
+    is not a power of two, the power-of-two slopes plus every other slope of the next one."""
+    def geometric(n):
+        return [2 ** (-8 * (i + 1) / n) for i in range(n)]
+    p = 2 ** int(math.log2(n_head))
+    return torch.tensor(geometric(p) + geometric(2 * p)[0::2][: n_head - p])
+
+
+def alibi_bias(q_pos, k_pos, slopes, window=None):
+    """Additive attention bias (H, Lq, Lk) from int64 positions (Lq,) and (Lk,).
+    window=W: causal sliding window, key j visible to query i iff 0 <= i - j < W.
+    window=None: bidirectional (inside a chunk), -slope * |i - j|."""
+    d = q_pos[:, None] - k_pos[None, :]  # (Lq, Lk) int64: differences first, so exact at any position
+    if window is None:
+        return -slopes[:, None, None] * d.abs().float()
+    visible = (d >= 0) & (d < window)
+    return torch.where(visible, -slopes[:, None, None] * d.clamp(0, window).float(), float("-inf"))
+
+
+# -----------------------------------------------------------------------------
+# Sliding-window self-attention without a T x T mask: queries in blocks of W, each block
+# attends to the keys of its own and the previous block (2W keys) under one shared bias.
+# Memory O(T * W); the block layout is the same on CPU and GPU (SDPA picks the kernel).
+
+
+def window_attention(q, k, v, pos0, window, slopes, ring=None):
+    """q, k, v: (B, H, L, D) for positions pos0 .. pos0+L-1 of a stream. ring: the layer's
+    KVRing holding the W positions before pos0 (decoding / segmented prefill), or None.
+    Returns (B, H, L, D)."""
+    B, H, L, D = q.shape
+    W = window
+    dev = q.device
+    # block 0: the first L0 queries see the ring (the previous W positions) and the segment's start
+    L0 = min(L, W)
+    q_pos = pos0 + torch.arange(L0, device=dev)
+    k0, v0, k_pos = k[:, :, :L0], v[:, :, :L0], q_pos
+    if ring is not None and ring.k is not None:
+        k0, v0 = torch.cat([ring.k, k0], 2), torch.cat([ring.v, v0], 2)  # (B, H, W + L0, D)
+        k_pos = torch.cat([ring.pos, q_pos])
+    mask = alibi_bias(q_pos, k_pos, slopes, W).to(q.dtype)  # (H, L0, Lk)
+    y = F.scaled_dot_product_attention(q[:, :, :L0], k0, v0, attn_mask=mask)
+    if L <= W:
+        return y
+    # blocks 1..nb: block b holds queries [bW, bW+W) and keys [bW-W, bW+W), all inside the segment
+    nb = -(-(L - W) // W)
+    pad = (nb + 1) * W - L  # future positions at the end: causally invisible to every real query
+    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, (nb+1)W, D)
+    qb = qb[:, :, W:].unflatten(2, (nb, W))  # (B, H, nb, W, D)
+    kb, vb = (t.unfold(2, 2 * W, W).transpose(-1, -2) for t in (kb, vb))  # (B, H, nb, 2W, D)
+    qb, kb, vb = (t.transpose(1, 2).flatten(0, 1) for t in (qb, kb, vb))  # (B*nb, H, ., D)
+    pos1 = pos0 + W  # the bias is the same for every block: build it from block 1's positions
+    mask = alibi_bias(pos1 + torch.arange(W, device=dev), pos0 + torch.arange(2 * W, device=dev), slopes, W)
+    yb = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.to(q.dtype))  # (B*nb, H, W, D)
+    yb = yb.unflatten(0, (B, nb)).transpose(1, 2).flatten(2, 3)[:, :, : L - W]  # (B, H, L-W, D)
+    return torch.cat([y, yb], 2)
+
+
+# -----------------------------------------------------------------------------
+# Grouped cross-attention (Eq. 2). For the S queries of a chunk and its K retrieved chunks:
+#     o = sum_i w_i * softmax(q K_i^T / sqrt(D)) V_i
+# Each retrieved chunk gets its own softmax, and the weights w_i (from the retrieval scores)
+# scale whole outputs; that is what lets the loss reach the retriever. (Chunked cross-
+# attention concatenates the chunks under one softmax, and its scores get no gradient.)
+
+def upcast(x):
+    """fp32 for half types, fp64 stays fp64 (tests run the model in double)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA, PyTorch elsewhere; "triton" / "torch" force one
+
+
+def gca_reference(q, k_mem, v_mem, idx, w):
+    """The readable GCA, same signature as gca_kernel.flash_gca:
+    q (B, C, S, H, D) queries by chunk; k_mem, v_mem (B, M, S, H, D) chunk memory;
+    idx (B, C, K) int64 picks in [0, M); w (B, C, K) their weights -> o (B, C, S, H, D)."""
+    B, C, S, H, D = q.shape
+    b = torch.arange(B, device=q.device)[:, None]  # (B, 1): batch index for gathering by idx
+    q = upcast(q)
+    o = torch.zeros_like(q)
+    for i in range(idx.size(-1)):  # one pick at a time: memory O(output), not O(K * output)
+        k, v = upcast(k_mem[b, idx[..., i]]), upcast(v_mem[b, idx[..., i]])  # (B, C, S, H, D)
+        att = torch.einsum("bcshd,bcthd->bchst", q, k) / math.sqrt(D)  # (B, C, H, S, S)
+        att = att.softmax(-1)
+        o = o + w[..., i, None, None, None] * torch.einsum("bchst,bcthd->bcshd", att, v)
+    return o.to(k_mem.dtype)
+
+
+def gca(q, k_mem, v_mem, idx, w):
+    """GCA through the fused Triton kernel where it applies, else the PyTorch reference."""
+    use_kernel = GCA_IMPL == "triton" or (GCA_IMPL == "auto" and q.is_cuda)
+    if use_kernel:
+        try:
+            from gca_kernel import flash_gca
+        except ImportError:  # no Triton: the reference computes the same function
+            if GCA_IMPL == "triton":
+                raise
+        else:
+            return flash_gca(q, k_mem, v_mem, idx, w)
+    return gca_reference(q, k_mem, v_mem, idx, w)
+
+
+# -----------------------------------------------------------------------------
+# Retrieval (Eq. 1) and chunk weights (Eq. 3)
+
+
+def softmax_off_by_one(r, off_by_one=True):
+    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries get 0.
+    The 1 is a virtual chunk with score 0 and an empty output: when every pick scores low,
+    the weights all shrink and the group can ignore its retrieval. off_by_one=False is the
+    plain softmax of the release. Rows that are all -inf give all-zero weights either way."""
+    m = r.amax(-1, keepdim=True)
+    m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
+    e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
+    denom = e.sum(-1, keepdim=True) + (torch.exp(-m.detach()) if off_by_one else 0)
+    return e / torch.where(denom > 0, denom, 1)
+
+
+@torch.no_grad()
+def topk_earlier(q, landmarks, chunk_ids, k, noise=False, block=65536):
+    """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
+    landmarks (B, M, C), chunk_ids (n,) int64 -> (idx, eligible) each (B, n, k).
+    Landmarks are scored in blocks with a running top-k, so at 1M chunks there is never an
+    n x M score matrix. noise=True adds Gumbel(0, 1) noise (training exploration)."""
+    B, n, C = q.shape
+    best_s = upcast(q.new_full((B, n, k), float("-inf")))
+    best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
+    for m0 in range(0, landmarks.size(1), block):
+        lm = landmarks[:, m0 : m0 + block]  # (B, mb, C)
+        s = upcast(q @ lm.transpose(1, 2)) / math.sqrt(C)  # (B, n, mb)
+        if noise:
+            s = s - torch.empty_like(s).exponential_().log()  # -log(Exp(1)) ~ Gumbel(0, 1)
+        j = m0 + torch.arange(lm.size(1), device=q.device)
+        s = s.masked_fill(j[None, None, :] >= chunk_ids[None, :, None], float("-inf"))  # strictly earlier
+        s = torch.cat([best_s, s], -1)
+        best_s, pos = s.topk(k, -1)
+        best_i = torch.cat([best_i, j.expand(B, n, -1)], -1).gather(-1, pos)
+    eligible = best_s > float("-inf")  # k > number of earlier chunks leaves empty picks
+    return best_i.masked_fill(~eligible, 0), eligible
+
+
+def retrieve(q, landmarks, chunk_ids, cfg, training):
+    """Eq. 1 + Eq. 3 for one group. q (B, n, C): normalised states at n landmarks (chunks
+    chunk_ids); landmarks (B, M, C) the memory's l_j. Picks the top-k earlier chunks (of
+    Gumbel-noised scores in training) and weights them from the CLEAN scores, through which
+    the retriever gets its gradient. Returns idx (B, n, K) int64 and w (B, n, K) (fp32 or fp64)."""
+    noise = training and cfg.gumbel
+    idx, eligible = topk_earlier(q, landmarks, chunk_ids, cfg.topk, noise)
+    b = torch.arange(q.size(0), device=q.device)[:, None, None]
+    r = upcast((q.unsqueeze(2) * landmarks[b, idx]).sum(-1)) / math.sqrt(q.size(-1))  # (B, n, K) r = q.l/sqrt(d)
+    w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
+    return idx, w
+
+
+# -----------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # in fp32: the residual stream may be bf16 under autocast
+        return (F.rms_norm(upcast(x), (x.size(-1),), eps=self.eps) * self.weight).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden, bias=False)  # gate and up, one matmul
+        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        gate, up = self.c_fc(x).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+
+
+class SelfAttention(nn.Module):
+    """Causal sliding-window attention (decoder) or bidirectional attention inside each chunk
+    (encoder), both with ALiBi."""
+
+    def __init__(self, cfg, causal):
+        super().__init__()
+        self.causal, self.n_head, self.window = causal, cfg.n_head, cfg.window
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)
+
+    def forward(self, x, pos0=0, ring=None):  # x (B, L, C); for the encoder B = batch * chunks, L = S
+        B, L, C = x.shape
+        q, k, v = self.c_attn(x).view(B, L, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # each (B, H, L, D)
+        if self.causal:
+            y = window_attention(q, k, v, pos0, self.window, self.slopes, ring)
+            if ring is not None:
+                ring.write(k, v, pos0 + torch.arange(L, device=x.device))
+        else:
+            pos = torch.arange(L, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(pos, pos, self.slopes).to(q.dtype))
+        return self.c_proj(y.transpose(1, 2).reshape(B, L, C))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: lower decoder layers and chunk-encoder layers."""
+
+    def __init__(self, cfg, causal=True):
+        super().__init__()
+        self.ln_1, self.ln_2 = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
+        self.attn = SelfAttention(cfg, causal)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, pos0=0, ring=None):
+        x = x + self.attn(self.ln_1(x), pos0, ring)
+        return x + self.mlp(self.ln_2(x))
+
+
+class UpperBlock(Block):
+    """Upper decoder layer: sliding-window self-attention, then GCA over the retrieved chunks,
+    whose output feeds the MLP's input but not the residual stream:
+        h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))
+    (the release found that feeding GCA into the MLP input only, not the carried residual,
+    mattered; we keep it)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg, causal=True)
+        self.ln_q = RMSNorm(cfg.n_embd)
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.S, self.n_head = cfg.chunk_size, cfg.n_head
+
+    def forward(self, x, pos0, ring, r, mem):  # x (B, L, C); r: slots before x in its first chunk
+        h1 = x + self.attn(self.ln_1(x), pos0, ring)
+        if mem is None:  # nothing retrievable yet (the first two chunks of a stream)
+            return h1 + self.mlp(self.ln_2(h1))
+        k_mem, v_mem, idx, w = mem
+        B, L, C = x.shape
+        q = to_chunks(self.q_proj(self.ln_q(h1)), r, self.S)  # (B, nC, S, C)
+        q = q.unflatten(-1, (self.n_head, C // self.n_head))  # (B, nC, S, H, D)
+        o = gca(q, k_mem, v_mem, idx, w)
+        o = from_chunks(o.flatten(-2), r, L)  # (B, L, C)
+        return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
+
+
+def to_chunks(x, r, S):
+    """(B, L, ...) -> (B, nC, S, ...): the segment laid onto whole chunks, with r empty slots
+    in front (its first chunk began in an earlier segment) and empty slots at the end."""
+    nC = -(-(r + x.size(1)) // S)
+    back = nC * S - r - x.size(1)
+    if r or back:
+        x = torch.cat([x.new_zeros(x.size(0), r, *x.shape[2:]), x, x.new_zeros(x.size(0), back, *x.shape[2:])], 1)
+    return x.unflatten(1, (nC, S))
+
+
+def from_chunks(x, r, L):
+    """Inverse of to_chunks: (B, nC, S, ...) -> (B, L, ...)."""
+    return x.flatten(1, 2)[:, r : r + L]
+
+
+class ChunkEncoder(nn.Module):
+    """Bidirectional encoder of finished chunks (DESIGN §3.3). Input: last lower layer's
+    states, RMSNorm'd, cut into chunks of S. Output per chunk: the landmark vector l (the
+    landmark slot's state) and per-token memory keys/values from ONE pair of projections
+    shared by every upper layer and group. The landmark slot's key and value are zero: a
+    sink key with logit 0 and value 0, i.e. a softmax-off-by-one inside every picked chunk."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
+        self.k_mem = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v_mem = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.n_head = cfg.n_head
+        sink = torch.ones(cfg.chunk_size, 1, 1)
+        sink[-1] = 0
+        self.register_buffer("not_landmark", sink, persistent=False)  # (S, 1, 1)
+
+    def forward(self, x):  # x (B, n, S, C) -> k, v (B, n, S, H, D), l (B, n, C)
+        B, n, S, C = x.shape
+        h = self.ln_in(x.reshape(B * n, S, C))
+        for block in self.blocks:
+            h = block(h)
+        h = self.ln_f(h).view(B, n, S, C)
+        k = self.k_mem(h).unflatten(-1, (self.n_head, C // self.n_head)) * self.not_landmark
+        v = self.v_mem(h).unflatten(-1, (self.n_head, C // self.n_head)) * self.not_landmark
+        return k, v, h[:, :, -1]
+
+
+# -----------------------------------------------------------------------------
+# Streaming state: what a stream needs to continue. Memory O(W) per layer for self-
+# attention (a ring buffer, not a cache that grows with the context), plus the chunk memory.
+
+
+class KVRing:
+    """The last W keys/values of one self-attention layer; slot = position % W."""
+
+    EMPTY = -(2**62)  # position of a slot never written: farther than any window, so never visible
+
+    def __init__(self, window):
+        self.window = window
+        self.k = self.v = self.pos = None  # (B, H, W, D), (B, H, W, D), (W,) int64
+
+    def write(self, k, v, pos):  # k, v (B, H, L, D) at positions pos (L,)
+        W = self.window
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], W, k.size(3))
+            self.v = torch.zeros_like(self.k)
+            self.pos = torch.full((W,), self.EMPTY, dtype=torch.long, device=k.device)
+        n = min(W, k.size(2))
+        slots = pos[-n:] % W
+        self.k[:, :, slots], self.v[:, :, slots], self.pos[slots] = k[:, :, -n:], v[:, :, -n:], pos[-n:]
+
+
+class ChunkMemory:
+    """The encoded chunks of a stream: keys/values (B, M, S, H, D) and landmarks (B, M, C).
+    Landmarks stay on the compute device: retrieval scores all of them. With offload=True
+    the keys/values live in host memory (pinned when CUDA is there) in blocks that are never
+    re-copied, 2*S*C*bytes per chunk, and only picked chunks travel to the device."""
+
+    HOST_BLOCK = 1024  # chunks per host block
+
+    def __init__(self, offload):
+        self.offload, self.M = offload, 0
+        self.k = self.v = self.l = None  # device buffers with spare capacity (k, v unused when offloading)
+        self.host_k, self.host_v = [], []  # offload: list of (B, HOST_BLOCK, S, H, D) host blocks
+
+    @staticmethod
+    def _grow(buf, new, M):  # append along dim 1 into a buffer of doubling capacity: amortised O(1)
+        if buf is None or M + new.size(1) > buf.size(1):
+            cap = max(2 * (0 if buf is None else buf.size(1)), M + new.size(1), 16)
+            grown = new.new_empty(new.size(0), cap, *new.shape[2:])
+            if buf is not None:
+                grown[:, :M] = buf[:, :M]
+            buf = grown
+        buf[:, M : M + new.size(1)] = new
+        return buf
+
+    def append(self, k, v, l):  # k, v (B, n, S, H, D); l (B, n, C)
+        self.l = self._grow(self.l, l, self.M)
+        if not self.offload:
+            self.k, self.v = self._grow(self.k, k, self.M), self._grow(self.v, v, self.M)
+        else:
+            j = 0
+            while j < k.size(1):  # device -> pinned host copies, asynchronous; fetch() syncs before reading
+                blk, off = divmod(self.M + j, self.HOST_BLOCK)
+                if blk == len(self.host_k):
+                    shape = (k.size(0), self.HOST_BLOCK, *k.shape[2:])
+                    pin = torch.cuda.is_available()
+                    self.host_k.append(torch.empty(shape, dtype=k.dtype, pin_memory=pin))
+                    self.host_v.append(torch.empty(shape, dtype=v.dtype, pin_memory=pin))
+                n = min(k.size(1) - j, self.HOST_BLOCK - off)
+                self.host_k[blk][:, off : off + n].copy_(k[:, j : j + n], non_blocking=True)
+                self.host_v[blk][:, off : off + n].copy_(v[:, j : j + n], non_blocking=True)
+                j += n
+        self.M += k.size(1)
+
+    @classmethod
+    def of(cls, k, v, l):
+        """The memory of one training sequence: the encoder's outputs themselves, no copies."""
+        memory = cls(offload=False)
+        memory.k, memory.v, memory.l, memory.M = k, v, l, k.size(1)
+        return memory
+
+    def landmarks(self):
+        return self.l[:, : self.M]  # (B, M, C)
+
+    def fetch(self, idx):
+        """Keys/values to run GCA with picks idx (B, n, K): -> k_mem, v_mem, idx' on idx's
+        device. On the device: the whole memory and idx itself. Offloaded: just the picked
+        chunks (deduplicated), copied in from pinned memory without blocking the host."""
+        if not self.offload:
+            return self.k[:, : self.M], self.v[:, : self.M], idx
+        uniq, inv = torch.unique(idx.cpu(), return_inverse=True)  # (U,), idx's shape; .cpu() waits for append's copies
+        blk, off = uniq // self.HOST_BLOCK, uniq % self.HOST_BLOCK
+        pin = torch.cuda.is_available()
+        out = []
+        for store in (self.host_k, self.host_v):
+            sel = torch.empty(store[0].size(0), len(uniq), *store[0].shape[2:], dtype=store[0].dtype, pin_memory=pin)
+            for b in blk.unique().tolist():
+                at = (blk == b).nonzero().squeeze(1)
+                sel[:, at] = store[b].index_select(1, off[at])
+            out.append(sel.to(idx.device, non_blocking=True))
+        return out[0], out[1], inv.to(idx.device)
+
+
+class DecodeState:
+    """A stream in progress (DESIGN §5). Create with DRT.new_state; pass to every forward
+    of the stream. Prompts in one batch share their length."""
+
+    def __init__(self, cfg, offload=False, start_pos=0):
+        self.n = 0  # positions processed so far, landmarks included; chunk c holds n in [cS, cS+S)
+        self.start_pos = start_pos  # absolute position of the first slot: ALiBi uses only differences
+        self.rings = [KVRing(cfg.window) for _ in range(cfg.n_lower + cfg.n_upper)]
+        self.chunk_buf = None  # (B, n % S, C) last-lower-layer states of the unfinished chunk
+        self.memory = ChunkMemory(offload)
+        self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
+        self.fetched = [None] * len(cfg.groups)  # offload: per group, picks[g]'s chunks already on the device
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class DRT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.lower = nn.ModuleList(Block(cfg) for _ in range(cfg.n_lower))
+        self.encoder = ChunkEncoder(cfg) if cfg.groups else None
+        self.ret_norm = nn.ModuleList(RMSNorm(cfg.n_embd) for _ in cfg.groups)  # RMSNorm_g of Eq. 1
+        self.upper = nn.ModuleList(UpperBlock(cfg) for _ in range(cfg.n_upper))
+        self.ln_f = RMSNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual-branch outputs by depth
+            if name.endswith(("c_proj.weight", "o_proj.weight")):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * (cfg.n_lower + cfg.n_upper)))
+
+    def _init_weights(self, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # tied embedding counted once
+
+    def new_state(self, batch_size=None, offload=False, start_pos=0):
+        """A fresh stream for incremental decoding / segmented prefill. offload=True keeps
+        the chunk keys/values in host memory (DESIGN §5). batch_size is implied by the first
+        forward; the argument is accepted for readability."""
+        return DecodeState(self.config, offload, start_pos)
+
+    def layout(self, idx, n0):
+        """Insert landmarks (DESIGN §3.1). idx (B, T) text ids continuing a stream that has
+        n0 positions -> ids (B, L) of positions, landmark after every S-1 text tokens (eagerly:
+        a chunk whose last text token arrives is finished in the same call), and r = n0 % S."""
+        S, (B, T) = self.config.chunk_size, idx.shape
+        r = n0 % S
+        nC = -(-(r + T) // (S - 1))
+        grid = torch.full((B, nC * (S - 1)), self.config.landmark_id, dtype=idx.dtype, device=idx.device)
+        grid[:, r : r + T] = idx
+        grid = torch.cat([grid.view(B, nC, S - 1), grid.new_full((B, nC, 1), self.config.landmark_id)], 2)
+        n_full, rem = divmod(r + T, S - 1)  # finished chunks (landmark included) and leftover tokens
+        return grid.view(B, nC * S)[:, r : n_full * S + rem], r
+
+    def check_input(self, idx, targets):
+        cfg = self.config
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be a (B, T) integer tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
+        if idx.size(1) == 0:
+            raise ValueError("idx has T=0 tokens: the model needs at least one token per sequence")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
+        if not torch.compiler.is_compiling():
+            bad = (idx < 0) | (idx >= cfg.vocab_size) | (idx == cfg.landmark_id)
+            if bad.any():
+                v = idx[bad][0].item()
+                why = "the landmark id, reserved" if v == cfg.landmark_id else f"outside [0, {cfg.vocab_size})"
+                raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
+
+    def forward(self, idx, targets=None, state=None):
+        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over
+        the text positions and the mean cross-entropy. Without: logits of the last position
+        (B, 1, vocab), loss None. state: a DecodeState to continue (and update), or None for
+        a stream that starts at idx[:, 0]."""
+        self.check_input(idx, targets)
+        cfg, S = self.config, self.config.chunk_size
+        n0 = state.n if state is not None else 0
+        ids, r = self.layout(idx, n0)  # (B, L) positions of this segment
+        B, L = ids.shape
+        pos0 = n0 + (state.start_pos if state is not None else 0)
+        rings = state.rings if state is not None else [None] * (cfg.n_lower + cfg.n_upper)
+        x = self.wte(ids)  # (B, L, C)
+
+        for block, ring in zip(self.lower, rings):
+            x = block(x, pos0, ring)
+
+        if self.encoder is not None:
+            x = self.remember_and_retrieve(x, r, n0, pos0, state, rings[cfg.n_lower :])
+
+        # logits only at text positions: landmarks predict nothing
+        x = to_chunks(self.ln_f(x), r, S)[:, :, : S - 1].flatten(1, 2)[:, r : r + idx.size(1)]  # (B, T, C)
+        if state is not None:
+            state.n = n0 + L
+        if targets is None:
+            return self.lm_head(x[:, -1:]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def remember_and_retrieve(self, x, r, n0, pos0, state, rings):
+        """Chunk encoder (memory of every chunk finished in this segment), then the upper
+        groups, each retrieving from its own input states at the landmarks."""
+        cfg, S = self.config, self.config.chunk_size
+        B, L, C = x.shape
+        c0 = n0 // S  # global index of the segment's first chunk
+
+        # -- encode the chunks finished in this segment (their lower states may start in an earlier one)
+        buf = x if state is None or state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, r + L, C)
+        n_done = buf.size(1) // S  # chunks finished here = landmarks in this segment
+        kvl = self.encoder(buf[:, : n_done * S].view(B, n_done, S, C)) if n_done else None
+        if state is None:
+            memory = ChunkMemory.of(*kvl) if n_done else ChunkMemory(offload=False)
+        else:
+            memory, state.chunk_buf = state.memory, buf[:, n_done * S :]
+            if n_done:
+                memory.append(*kvl)
+
+        # -- upper groups. Chunk c reads the retrieval made at the landmark of chunk c-1.
+        nC = -(-(r + L) // S)  # chunks this segment touches: c0 .. c0+nC-1
+        done_ids = c0 + torch.arange(n_done, device=x.device)  # chunks whose landmark is in this segment
+        layer = 0
+        for g, size in enumerate(cfg.groups):
+            prev = state.picks[g] if state is not None else None
+            if prev is None:  # chunk c0 = 0: nothing before it; a pick with weight 0 stands in
+                prev = (torch.zeros(B, 1, cfg.topk, dtype=torch.long, device=x.device),
+                        torch.zeros(B, 1, cfg.topk, device=x.device))
+            idx, w = prev
+            if n_done:
+                at_landmarks = to_chunks(x, r, S)[:, :n_done, S - 1]  # (B, n_done, C) this group's input there
+                new_idx, new_w = retrieve(self.ret_norm[g](at_landmarks), memory.landmarks(), done_ids, cfg, self.training)
+                idx, w = torch.cat([idx, new_idx], 1)[:, :nC], torch.cat([w, new_w], 1)[:, :nC]  # (B, nC, K)
+            mem = None
+            if memory.M and c0 + nC > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing to read
+                if memory.offload and nC == 1 and state.fetched[g] is not None:
+                    mem = (*state.fetched[g], w)
+                else:
+                    k_mem, v_mem, idx_mem = memory.fetch(idx)
+                    mem = (k_mem, v_mem, idx_mem, w)
+            for block in self.upper[layer : layer + size]:
+                x = block(x, pos0, rings[layer], r, mem)
+                layer += 1
+            if state is not None and n_done:
+                state.picks[g] = (new_idx[:, -1:], new_w[:, -1:].detach())
+                if memory.offload:  # prefetch the next chunk's picks now, overlapping the layers still to run
+                    state.fetched[g] = memory.fetch(state.picks[g][0])[:3]
+        return x
+
+    # -------------------------------------------------------------------------
+    # training and sampling helpers
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; weight decay on matrices only (not on norm gains)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    def flops_per_token(self):
+        """Training FLOPs (forward + backward = 3x forward) per text token, counting matmuls:
+        2 per weight per position, attention 4*keys*C per position and layer."""
+        cfg, C, S = self.config, self.config.n_embd, self.config.chunk_size
+        per_pos = 2 * (self.num_params() - self.wte.weight.numel())  # every matrix but the embedding runs per position
+        per_pos += 4 * C * cfg.window * (cfg.n_lower + cfg.n_upper)  # sliding-window attention
+        per_pos += 4 * C * S * cfg.n_enc  # chunk encoder attention
+        per_pos += 4 * C * S * cfg.topk * cfg.n_upper  # GCA over K chunks of S
+        lm_head = 2 * self.wte.weight.numel()  # once per text token
+        return 3 * (per_pos * S / (S - 1) + lm_head)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
+        """Continue idx (B, T) by max_new_tokens, one token per step, with O(W) self-attention
+        caches and the chunk memory (DESIGN §5). The prompt is prefilled in segments of
+        prefill_segment tokens. Returns (B, max_new_tokens) new ids."""
+        state = state if state is not None else self.new_state(idx.size(0))
+        for s in range(0, idx.size(1), prefill_segment):
+            logits, _ = self(idx[:, s : s + prefill_segment], state=state)
+        out = []
+        for _ in range(max_new_tokens):
+            logits = logits[:, -1, : self.config.landmark_id].float()  # never sample the landmark or padding ids
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = float("-inf")
+                nxt = torch.multinomial(F.softmax(logits, -1), 1)
+            out.append(nxt)
+            logits, _ = self(nxt, state=state)
+        return torch.cat(out, 1)
+
+
+if __name__ == "__main__":
+    for name, cfg in [("DRT x1 (146M)", DRTConfig()), ("DRT x2", DRTConfig(groups=(3, 3))),
+                      ("sliding-window baseline", DRTConfig(n_lower=12, groups=()))]:
+        print(f"{name:28s} {DRT(cfg).num_params() / 1e6:8.2f}M parameters")
