@@ -191,7 +191,7 @@ def gca(q, k_mem, v_mem, idx, w):
             if GCA_IMPL == "triton":
                 raise
         else:
-            return flash_gca(q, k_mem, v_mem, idx, w)
+            return flash_gca(q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
     return gca_reference(q, k_mem, v_mem, idx, w)
 
 
@@ -366,9 +366,9 @@ class ChunkEncoder(nn.Module):
         self.k_mem = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.v_mem = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.n_head = cfg.n_head
-        sink = torch.ones(cfg.chunk_size, 1, 1)
-        sink[-1] = 0
-        self.register_buffer("not_landmark", sink, persistent=False)  # (S, 1, 1)
+        is_landmark = torch.zeros(cfg.chunk_size, 1, 1, dtype=torch.bool)
+        is_landmark[-1] = True
+        self.register_buffer("is_landmark", is_landmark, persistent=False)  # (S, 1, 1)
 
     def forward(self, x):  # x (B, n, S, C) -> k, v (B, n, S, H, D), l (B, n, C)
         B, n, S, C = x.shape
@@ -376,8 +376,8 @@ class ChunkEncoder(nn.Module):
         for block in self.blocks:
             h = block(h)
         h = self.ln_f(h).view(B, n, S, C)
-        k = self.k_mem(h).unflatten(-1, (self.n_head, C // self.n_head)) * self.not_landmark
-        v = self.v_mem(h).unflatten(-1, (self.n_head, C // self.n_head)) * self.not_landmark
+        k = self.k_mem(h).unflatten(-1, (self.n_head, C // self.n_head)).masked_fill(self.is_landmark, 0)
+        v = self.v_mem(h).unflatten(-1, (self.n_head, C // self.n_head)).masked_fill(self.is_landmark, 0)
         return k, v, h[:, :, -1]
 
 
@@ -554,11 +554,12 @@ class DRT(nn.Module):
                 why = "the landmark id, reserved" if v == cfg.landmark_id else f"outside [0, {cfg.vocab_size})"
                 raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
 
-    def forward(self, idx, targets=None, state=None):
+    def forward(self, idx, targets=None, state=None, return_logits=True):
         """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over
         the text positions and the mean cross-entropy. Without: logits of the last position
         (B, 1, vocab), loss None. state: a DecodeState to continue (and update), or None for
-        a stream that starts at idx[:, 0]."""
+        a stream that starts at idx[:, 0]. return_logits=False (training): logits None, and
+        the loss computed at the targeted positions only, never holding (B, T, vocab)."""
         self.check_input(idx, targets)
         cfg, S = self.config, self.config.chunk_size
         n0 = state.n if state is not None else 0
@@ -580,6 +581,9 @@ class DRT(nn.Module):
             state.n = n0 + L
         if targets is None:
             return self.lm_head(x[:, -1:]), None
+        if not return_logits:  # e.g. the passkey task targets 3 tokens of thousands: skip the rest
+            keep = targets.flatten() != -1
+            return None, F.cross_entropy(self.lm_head(x.flatten(0, 1)[keep]).float(), targets.flatten()[keep])
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss

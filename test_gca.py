@@ -156,6 +156,25 @@ def test_configs_train(groups):
         assert model.encoder is None and len(model.upper) == 0
 
 
+def test_loss_without_logits():
+    """return_logits=False (training) gives the same loss, and its gradients, from the targeted positions only."""
+    model = tiny_model(dtype=torch.float64).train()
+    model.config.gumbel = False
+    idx = tokens(model.config, 2, 5 * 7, seed=16)
+    targets = torch.roll(idx, -1, 1)
+    targets[:, ::3] = -1
+    logits, full = model(idx, targets)
+    full.backward()
+    g_full = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    none, loss = model(idx, targets, return_logits=False)
+    loss.backward()
+    assert none is None and logits.shape == (2, 35, 96)
+    torch.testing.assert_close(loss, full)
+    for a, b in zip(g_full, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b)
+
+
 def test_length_agnostic():
     """A model trained on short sequences runs at 8x and 64x that length (no position table,
     attention per token is constant), and its logits do not change when the absolute
@@ -305,3 +324,47 @@ def test_generate_odd_prompt():
     for T in (1, 13, 50):
         out = model.generate(tokens(model.config, 1, T, seed=T), 10, temperature=1.0, top_k=5, prefill_segment=9)
         assert out.shape == (1, 10) and (out < model.config.landmark_id).all()
+
+
+# -----------------------------------------------------------------------------
+# the model on a GPU (skipped without CUDA): kernel vs reference inside the model, pinned offload
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_model_kernel_equals_reference():
+    """The whole model, forward and every gradient, with FlashGCA vs the PyTorch GCA."""
+    import model as drt
+    torch.manual_seed(13)
+    m = DRT(tiny_config(n_embd=128, n_head=2, chunk_size=16, window=32, groups=(1, 1))).cuda()
+    idx = tokens(m.config, 2, 20 * 15, seed=13).cuda()
+    out = {}
+    for impl in ("triton", "torch"):
+        drt.GCA_IMPL = impl
+        torch.manual_seed(14)  # the same Gumbel noise for both
+        logits, loss = m(idx, idx)
+        m.zero_grad()
+        loss.backward()
+        out[impl] = [logits] + [p.grad.clone() for p in m.parameters()]
+    drt.GCA_IMPL = "auto"
+    for a, b in zip(out["triton"], out["torch"]):
+        assert rel_err(a, b) < 1e-4
+
+
+@cuda
+def test_cuda_offload_equals_device():
+    """Pinned host memory + non-blocking copies give the on-device logits, segment by segment."""
+    torch.manual_seed(15)
+    m = DRT(tiny_config(n_embd=128, n_head=2, chunk_size=16, window=32, groups=(1, 1))).cuda().eval()
+    idx = tokens(m.config, 1, 700, seed=15).cuda()
+    with torch.no_grad():
+        full = all_logits(m, idx)
+        for offload in (False, True):
+            state = m.new_state(offload=offload)
+            cuts = [0, 100, 101, 333, 600, 700]
+            parts = torch.cat([all_logits(m, idx[:, a:b], state) for a, b in zip(cuts, cuts[1:])], 1)
+            assert rel_err(parts, full) < 1e-5, offload
+            steps = torch.cat([m(idx[:, t : t + 1], state=state)[0] for t in range(20)], 1)
+            assert torch.isfinite(steps).all()
+        assert state.memory.host_k and state.memory.host_k[0].is_pinned()

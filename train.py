@@ -1,0 +1,485 @@
+"""
+Train DRT (or its sliding-window baseline) on PG19 or on a synthetic long-context task.
+
+    python train.py config/quickstart.py       # CPU or one GPU: a tiny DRT on the PG19 sample, minutes
+    python train.py config/train_drt146m.py    # the paper's 146M DRT x1 on one GPU (8 accumulation steps)
+    torchrun --standalone --nproc_per_node=8 train.py config/train_drt146m.py   # one node of 8 GPUs
+    python train.py config/quickstart.py --batch_size=4 --groups=1,1          # override any key
+    python train.py config/quickstart.py --init_from=resume                   # continue out_dir/ckpt.pt
+    python train.py --help                     # every key, its default and why
+
+PG19 must be prepared first: python prepare_pg19.py --source /path/to/pg19 --out data/pg19.
+Config files (Python, executed in order), then --key=value overrides (Python literals; strings
+need no quotes; tuples as --groups=3,3 or --groups="()", shell-safe) change the hyperparameters
+below. Only existing keys, with the default's type.
+
+Resume is exact: every random draw of a step (the data windows, the model's Gumbel noise) is a
+function of (seed, iteration, global micro-batch index), and the learning rate a function of
+the iteration, so a checkpoint needs no RNG state and a resumed run repeats an uninterrupted
+one bit for bit. The same makes the global batch independent of how it is split over GPUs
+and accumulation steps.
+"""
+
+import ast
+import difflib
+import json
+import math
+import os
+import random
+import re
+import resource
+import sys
+import time
+import types
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tasks
+from model import DRT, DRTConfig
+from prepare_pg19 import GPT2_VOCAB, _fmt_time, get_tokenizer
+
+# ---- hyperparameters: the paper's 146M DRT x1 on PG19 (DESIGN §7), one home each -----------
+# I/O
+out_dir = "out"  # where ckpt.pt (weights, optimizer, loop state) and ckpt.json (the same without tensors) go
+eval_interval = 1000  # steps between evaluations and checkpoints (146M + AdamW state: a 1.75 GB ckpt.pt)
+log_interval = 10  # steps between log lines; each line syncs the GPU once and reports the mean loss since the last
+eval_iters = 40  # micro-batches per split per evaluation: 40 x 4 x 16380 = 2.6M tokens, a steady estimate
+always_save_checkpoint = True  # save at every evaluation, not only when val improves: a long run must be resumable
+init_from = "scratch"  # 'scratch', or 'resume' to continue out_dir/ckpt.pt (same command + --init_from=resume)
+stop_iter = 0  # stop and save after this step without changing the schedule (a long run in pieces); 0 = max_iters
+# data
+dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py)
+data_dir = ""  # folder of the prepared dataset; "" = data/<dataset>
+batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
+block_size = 16380  # text tokens per sequence: 260 chunks of 63 (DESIGN §2), the paper's 16K training length
+tokens_per_step = 524160  # per step, all GPUs (the paper's 8x4x16380): k * batch_size*block_size*GPUs, k = accumulation; 0: k=1
+# model: DRTConfig's fields (model.py says what each one is)
+n_embd = 768  # model width d: the paper's 146M model
+n_head = 12  # attention heads: head width 64, the width FlashGCA's tiles are built for
+n_lower = 6  # lower sliding-window layers; the baseline has n_lower=12 and no groups
+groups = (6,)  # upper layers per retrieval group: (6,) = DRT x1, (3, 3) = x2, () = sliding-window baseline
+n_enc = 2  # bidirectional chunk-encoder layers that turn a finished chunk into memory
+chunk_size = 64  # positions per chunk, 63 text tokens + 1 landmark: 64-wide tiles (DESIGN §2)
+window = 512  # self-attention window in positions (landmarks count), a multiple of chunk_size
+topk = 8  # chunks retrieved per chunk: attention field window + topk*chunk_size
+softmax_off_by_one = True  # Eq. 3's weights, so a group may ignore useless picks; False = the release's plain softmax
+gumbel = True  # top-k of Gumbel-noised scores in training, to explore (the paper: 14.36 ppl without vs 14.05)
+vocab_size = 50304  # GPT-2's 50257 ids + the landmark, padded to a multiple of 64
+landmark_id = 50257  # the first id after GPT-2's: never a data token
+mlp_hidden = 0  # SwiGLU hidden width; 0 = 8/3 * n_embd rounded up to a multiple of 64
+# optimizer: AdamW with warmup and cosine decay (the release's recipe)
+learning_rate = 2e-3  # peak learning rate, reached after warmup
+min_lr = 4e-4  # the cosine ends here, learning_rate / 5
+warmup_frac = 0.02  # linear warmup over this fraction of max_iters
+max_iters = 60000  # optimizer steps: 60K x 524K tokens = 31B tokens, the paper's run; the schedule spans them
+weight_decay = 1e-3  # on matrices only, not on norm gains
+betas = (0.9, 0.95)  # AdamW (beta1, beta2): the release's, the usual beta2 for GPT-style LM training
+grad_clip = 1.0  # clip the global gradient norm to this; 0 = no clipping
+# system
+device = "auto"  # 'auto' = cuda if available, else cpu; or 'cpu', 'cuda' (torchrun: cuda:LOCAL_RANK)
+dtype = "auto"  # 'auto' = bfloat16 autocast on CUDA, float32 on CPU; or 'bfloat16', 'float32'
+compile = False  # torch.compile the model: faster steps after a slow first one; off until measured on the GPU
+seed = 1337  # the initial weights and every random draw of training derive from it
+# ---- end of hyperparameters ----------------------------------------------------------------
+
+
+def _read_block():
+    """[(key, comment)] of the block above, headings as (None, heading), read from this file:
+    --help shows the comments, so each hyperparameter's why has one home."""
+    rows, inside = [], False
+    with open(__file__, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("# ---- "):
+                if inside:
+                    break
+                inside = True
+            elif inside and (m := re.match(r"(\w+) = .+?  # (.+)$", line)):
+                rows.append((m[1], m[2]))
+            elif inside and line.startswith("# "):
+                rows.append((None, line[2:].strip()))
+    return rows
+
+
+BLOCK = _read_block()
+DEFAULTS = {k: globals()[k] for k, _ in BLOCK if k}
+MODEL_KEYS = [f.name for f in fields(DRTConfig)]
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]  # dense, by device name
+
+
+class ConfigError(Exception):
+    """Something the user can fix (a key, a value, the data, out_dir): shown without a traceback."""
+
+
+# -----------------------------------------------------------------------------
+# overrides: config files, then --key=value
+
+
+def _unknown(key, where):
+    close = difflib.get_close_matches(key, DEFAULTS, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"{where}: unknown key {key!r}{hint}; python train.py --help lists the keys")
+
+
+def _typed(key, value, where):
+    """value with the type of key's default: ints pass for floats, lists for tuples, any text for strings."""
+    default = DEFAULTS[key]
+    if isinstance(default, float) and type(value) is int:
+        value = float(value)
+    elif isinstance(default, tuple) and isinstance(value, list):
+        value = tuple(value)
+    if type(value) is not type(default):
+        raise ConfigError(f"{where}: {key} must be of type {type(default).__name__} like its default "
+                          f"{default!r}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def parse_config(argv):
+    """argv: config files and --key=value, applied in order -> (config dict, keys set explicitly)."""
+    config, explicit = dict(DEFAULTS), set()
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                raise ConfigError(f"{arg}: write overrides as --key=value")
+            if key not in DEFAULTS:
+                raise _unknown(key, arg)
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text  # a bare word: a string
+            updates = {key: text if isinstance(DEFAULTS[key], str) and not isinstance(value, str) else value}
+        else:
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file {arg} not found (overrides are written --key=value)")
+            scope = {}
+            with open(arg, encoding="utf-8") as f:
+                exec(f.read(), scope)
+            updates = {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+            for k in updates:
+                if k not in DEFAULTS:
+                    raise _unknown(k, arg)
+        for k, v in updates.items():
+            config[k] = _typed(k, v, arg)
+            explicit.add(k)
+    return config, explicit
+
+
+def print_help():
+    print(__doc__.strip() + "\n\nKeys (default, why):")
+    for key, comment in BLOCK:
+        print(f"\n{comment}" if key is None else f"  --{key}={DEFAULTS[key]!r}\n      {comment}")
+
+
+def check_config(c):
+    bad = []
+    for k in ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters"):
+        if c[k] < 1:
+            bad.append(f"{k}={c[k]} must be a positive int")
+    if c["init_from"] not in ("scratch", "resume"):
+        bad.append(f"init_from={c['init_from']!r} must be 'scratch' or 'resume'")
+    if not 0 <= c["stop_iter"] <= c["max_iters"]:
+        bad.append(f"stop_iter={c['stop_iter']} must lie in [0, max_iters={c['max_iters']}]")
+    if not 0 <= c["warmup_frac"] < 1:
+        bad.append(f"warmup_frac={c['warmup_frac']} must lie in [0, 1)")
+    if not 0 <= c["min_lr"] <= c["learning_rate"]:
+        bad.append(f"min_lr={c['min_lr']} must lie in [0, learning_rate={c['learning_rate']}]")
+    if c["tokens_per_step"] < 0 or c["grad_clip"] < 0:
+        bad.append("tokens_per_step and grad_clip must be >= 0")
+    if c["dtype"] not in ("auto", "bfloat16", "float32"):
+        bad.append(f"dtype={c['dtype']!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)")
+    if bad:
+        raise ConfigError("; ".join(bad))
+
+
+# -----------------------------------------------------------------------------
+# small helpers
+
+
+def step_rng(*parts):
+    """A random.Random that is a fixed function of parts, e.g. (seed, split, iteration, micro-batch):
+    str seeds go through SHA-512, so it is the same in every process and on every machine."""
+    return random.Random(":".join(map(str, parts)))
+
+
+def get_lr(it, c):
+    """Learning rate of step it (0-based): linear warmup, then cosine from learning_rate to min_lr."""
+    warmup = int(c["warmup_frac"] * c["max_iters"])
+    if it < warmup:
+        return c["learning_rate"] * (it + 1) / warmup
+    progress = (it - warmup) / max(1, c["max_iters"] - warmup)
+    return c["min_lr"] + 0.5 * (1 + math.cos(math.pi * progress)) * (c["learning_rate"] - c["min_lr"])
+
+
+def peak_flops(device):
+    """bf16 dense tensor-core peak of one GPU by name, or None (CPU, unknown GPU: 'mfu n/a')."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_mem_gib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # this process's max RSS: KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def save_atomic(obj, path, write):
+    """Write to path.tmp, then rename: a file under the final name is always whole."""
+    write(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def write_json(obj, path):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    """Train with the hyperparameters above as changed by argv (default sys.argv[1:]).
+    Returns the logged [(iteration, mean train loss since the previous line)]."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print_help()
+        return []
+    c, explicit = parse_config(argv)
+    check_config(c)
+
+    # -- DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; plain python runs one process
+    ddp = "RANK" in os.environ
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    master = rank == 0  # alone prints, evaluates and saves
+    dev = c["device"] if c["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={dev!r} but CUDA is not available: use --device=cpu (or auto)")
+    if ddp and dev.startswith("cuda"):
+        dev = f"cuda:{local_rank}"
+        torch.cuda.set_device(dev)
+    device = torch.device(dev)
+    if ddp:
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    try:
+        history = train(c, explicit, device, ddp, rank, world_size, master)
+        if ddp:
+            dist.barrier()  # rank 0 may still be evaluating and saving: leave together
+        return history
+    finally:
+        if ddp:
+            dist.destroy_process_group()
+
+
+def train(c, explicit, device, ddp, rank, world_size, master):
+    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+    cuda = device.type == "cuda"
+    dtype = c["dtype"] if c["dtype"] != "auto" else "bfloat16" if cuda else "float32"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    if cuda:
+        torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
+
+    # -- tokens per step = batch_size x block_size x GPUs x accumulation (the rule: it must divide)
+    per_micro = c["batch_size"] * c["block_size"] * world_size
+    tokens_per_step = c["tokens_per_step"] or per_micro
+    grad_accum = tokens_per_step // per_micro
+    if grad_accum < 1 or tokens_per_step % per_micro:
+        options = ", ".join(f"{per_micro * m:,}" for m in range(max(1, grad_accum), max(1, grad_accum) + 3))
+        raise ConfigError(f"tokens_per_step={tokens_per_step:,} is not a multiple of batch_size*block_size*GPUs = "
+                          f"{c['batch_size']}*{c['block_size']}*{world_size} = {per_micro:,}: use e.g. {options} "
+                          f"(or 0 for no accumulation), or change batch_size")
+
+    # -- the checkpoint to resume
+    ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
+    ckpt = None
+    if c["init_from"] == "resume":
+        if not os.path.isfile(ckpt_path):
+            raise ConfigError(f"no checkpoint at {ckpt_path}: use --init_from=scratch (or point --out_dir at the run)")
+        ckpt = torch.load(ckpt_path, map_location=device)
+        as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v  # JSON gives groups as a list
+        clash = [k for k in MODEL_KEYS if k in explicit and as_tuple(c[k]) != as_tuple(ckpt["model_args"][k])]
+        if clash:
+            said = ", ".join(f"{k}={ckpt['model_args'][k]!r}, the config asks {c[k]!r}" for k in clash)
+            drop = " ".join(f"--{k}" for k in clash)
+            raise ConfigError(f"checkpoint {ckpt_path} has {said}: drop {drop} (from the command line or config "
+                              f"file) or start a new out_dir")
+        c.update({k: as_tuple(ckpt["model_args"][k]) for k in MODEL_KEYS})  # the checkpoint's architecture
+    try:
+        model_args = asdict(DRTConfig(**{k: c[k] for k in MODEL_KEYS}))
+    except ValueError as e:  # DRTConfig says what is wrong
+        raise ConfigError(e) from None
+    model_args["groups"] = list(model_args["groups"])  # JSON-able
+    min_len = 2 * (c["chunk_size"] - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
+    if c["groups"] and c["block_size"] < min_len:
+        raise ConfigError(f"block_size={c['block_size']} gives fewer than 3 chunks, so GCA would never run: use "
+                          f"block_size >= {min_len} (best a multiple of chunk_size-1={c['chunk_size'] - 1})")
+
+    # -- data: every batch is a function of (split, rng) and the rng a function of (seed, step, micro-batch)
+    if c["dataset"] in tasks.TASKS:
+        enc = get_tokenizer()
+        data_vocab = GPT2_VOCAB  # the tasks' text is GPT-2 tokens
+
+        def get_batch(split, rng):
+            return tasks.get_batch(c["dataset"], c["batch_size"], c["block_size"], rng, enc)
+    else:
+        data_dir = c["data_dir"] or os.path.join("data", c["dataset"])
+        meta_path = os.path.join(data_dir, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise ConfigError(f"{meta_path} not found: prepare the data first, e.g. python prepare_pg19.py "
+                              f"--source /path/to/pg19 --out {data_dir} (or --dataset={'|'.join(tasks.TASKS)})")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        data_vocab, splits = meta["vocab_size"], {}
+        for split in ("train", "val"):
+            path = os.path.join(data_dir, f"{split}.bin")
+            n = os.path.getsize(path) // 2 if os.path.isfile(path) else 0
+            if n < c["block_size"] + 1:
+                raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={c['block_size'] + 1:,}; "
+                                  f"lower --block_size")
+            splits[split] = (path, n)
+
+        def get_batch(split, rng):
+            path, n = splits[split]
+            data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
+            starts = [rng.randrange(n - c["block_size"]) for _ in range(c["batch_size"])]
+            x = torch.from_numpy(np.stack([data[s : s + c["block_size"]] for s in starts]).astype(np.int64))
+            y = torch.from_numpy(np.stack([data[s + 1 : s + 1 + c["block_size"]] for s in starts]).astype(np.int64))
+            return x, y  # (B, T) each
+
+    if not data_vocab <= model_args["landmark_id"]:
+        raise ConfigError(f"the data's token ids reach {data_vocab - 1}, but landmark_id={model_args['landmark_id']} "
+                          f"must lie above them: set --landmark_id={data_vocab} (and vocab_size above it)")
+
+    def batch(split, rng):
+        x, y = get_batch(split, rng)
+        if cuda:
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.to(device), y.to(device)
+
+    if master:  # last of the checks, so a run that cannot start leaves no empty out_dir behind
+        try:
+            os.makedirs(c["out_dir"], exist_ok=True)
+            probe = os.path.join(c["out_dir"], f".write_test_{os.getpid()}")
+            open(probe, "wb").close()
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"out_dir {c['out_dir']} is not writable ({e}): pass --out_dir=<writable folder>") from None
+
+    # -- model and optimizer
+    torch.manual_seed(c["seed"])  # the same initial weights on every rank
+    raw_model = DRT(DRTConfig(**model_args)).to(device)  # what the checkpoint holds: never compiled, never wrapped
+    optimizer = raw_model.configure_optimizers(c["weight_decay"], c["learning_rate"], c["betas"], device.type)
+    iter_num, best_val_loss = 0, float("inf")
+    if ckpt:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        ckpt = None  # free it
+    model = torch.compile(raw_model) if c["compile"] else raw_model
+    eval_model = model  # evaluation runs on rank 0 alone, so never through DDP
+    if ddp:
+        model = DDP(model, device_ids=[device.index] if cuda else None)
+
+    flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)
+    arch = f"DRT groups={model_args['groups']}" if model_args["groups"] else "sliding-window baseline"
+    log(f"{arch}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
+        f"{c['batch_size']} seq x {c['block_size']:,} tok x {world_size} rank(s) x {grad_accum} accum = "
+        f"{tokens_per_step:,} tok/step | {device} {dtype} | {c['dataset']} | "
+        + (f"resuming at step {iter_num}" if iter_num else "from scratch"))
+
+    @torch.no_grad()
+    def estimate_loss():
+        """Mean loss over eval_iters micro-batches per split; the same batches at every evaluation."""
+        out = {}
+        eval_model.eval()  # plain top-k: no Gumbel noise
+        for split in ("train", "val"):
+            total = torch.zeros((), device=device)
+            for k in range(c["eval_iters"]):
+                x, y = batch(split, step_rng(c["seed"], split, "eval", k))
+                with autocast:
+                    _, loss = eval_model(x, y, return_logits=False)
+                total += loss.float()
+            out[split] = total.item() / c["eval_iters"]
+        eval_model.train()
+        return out
+
+    def save(val_loss):
+        state = {"model_args": model_args, "config": c, "iter_num": iter_num, "best_val_loss": best_val_loss}
+        tensors = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
+        save_atomic({**tensors, **state}, ckpt_path, torch.save)
+        save_atomic({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step},
+                    os.path.join(c["out_dir"], "ckpt.json"), write_json)  # for people and tools without torch
+        log(f"saved {ckpt_path} at step {iter_num}")
+
+    # -- the loop. iter_num counts the optimizer steps done; everything about step iter_num+1
+    #    (lr, batches, Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
+    last = c["stop_iter"] or c["max_iters"]
+    start, history = iter_num, []
+    resumed = c["init_from"] == "resume"  # then step `start` was evaluated just before the save
+    loss_sum = torch.zeros((), device=device)
+    model.train()
+    t_last, it_last = time.time(), iter_num
+    while True:
+        if master and (iter_num % c["eval_interval"] == 0 or iter_num == last) and not (resumed and iter_num == start):
+            t_eval = time.time()
+            losses = estimate_loss()
+            log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {math.exp(losses['train']):.2f}), "
+                f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})")
+            improved = losses["val"] < best_val_loss
+            best_val_loss = min(best_val_loss, losses["val"])
+            if iter_num > start and (improved or c["always_save_checkpoint"] or iter_num == c["stop_iter"]):
+                save(losses["val"])
+            t_last += time.time() - t_eval  # evaluation and saving are not training time
+        if iter_num >= last:
+            break
+
+        lr = get_lr(iter_num, c)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(grad_accum):
+            g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
+            x, y = batch("train", step_rng(c["seed"], "train", iter_num, g))
+            torch.manual_seed(step_rng(c["seed"], "gumbel", iter_num, g).getrandbits(63))  # the model's noise
+            sync = model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext()  # all-reduce once per step
+            with sync:
+                with autocast:
+                    _, loss = model(x, y, return_logits=False)
+                (loss / grad_accum).backward()
+            loss_sum += loss.detach().float() / grad_accum
+        if c["grad_clip"]:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+
+        if iter_num % c["log_interval"] == 0 or iter_num == last:
+            if ddp:
+                dist.all_reduce(loss_sum)  # SUM (gloo has no AVG): the loss of the global batch
+            mean_loss = loss_sum.item() / world_size / (iter_num - it_last)
+            dt = (time.time() - t_last) / (iter_num - it_last)
+            tok_s = tokens_per_step / dt
+            mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
+            log(f"iter {iter_num}/{c['max_iters']} | loss {mean_loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
+                f"{tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
+                f"eta {_fmt_time(dt * (last - iter_num))}")
+            history.append((iter_num, mean_loss))
+            loss_sum.zero_()
+            t_last, it_last = time.time(), iter_num
+
+    log(f"done: step {iter_num}/{c['max_iters']}, best val loss {best_val_loss:.4f}")
+    return history
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        raise SystemExit(f"train.py: error: {e}")
