@@ -108,17 +108,20 @@ def make_example(task, length, rng, enc, haystack=None, answer_counts=False):
     return prompt, answer
 
 
-def get_batch(task, batch_size, seq_len, rng, enc, haystack=None):
-    """A training batch: x, y (B, seq_len) int64. Each row is a prompt followed by its answer;
-    y is the next token at the answer's positions and -1 (ignored) elsewhere, so the loss is
-    on the answer alone (DESIGN §6: a small model learns retrieval from this in minutes)."""
+def get_batch(task, batch_size, seq_len, rng, enc, haystack=None, answer_only=True):
+    """A training batch: x, y (B, seq_len) int64, each row a prompt followed by its answer.
+    y holds the next token at every position, or with answer_only=True only at the answer's
+    (-1, ignored, elsewhere). A model trained from scratch needs the loss everywhere: the
+    repeated filler and the key's second mention teach it to copy, which retrieval then
+    carries over any distance; the answer alone is too thin a signal to start from."""
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
-    y = torch.full((batch_size, seq_len), -1, dtype=torch.long)
+    y = torch.empty(batch_size, seq_len, dtype=torch.long)
     for b in range(batch_size):
         prompt, answer = make_example(task, seq_len + 1, rng, enc, haystack, answer_counts=True)
         row = torch.tensor(prompt + answer)  # seq_len + 1 tokens
-        x[b], n = row[:-1], len(prompt)
-        y[b, n - 1 :] = row[n:]  # the question's last token predicts the first answer token, and so on
+        x[b], y[b] = row[:-1], row[1:]
+        if answer_only:
+            y[b, : len(prompt) - 1] = -1  # the question's last token predicts the first answer token
     return x, y
 
 

@@ -1,20 +1,39 @@
 """
 Tests for DRT: the model (model.py), the FlashGCA kernel (gca_kernel.py), data preparation
-(prepare_pg19.py), training (train.py) and inference (sample.py).
+(prepare_pg19.py), training (train.py), inference and long-context tests (sample.py, tasks.py).
 
     python -m pytest -q test_gca.py            # CPU: the kernel runs under TRITON_INTERPRET=1
     python -m pytest -q test_gca.py -k kernel  # on a GPU the kernel tests run natively (and in bf16)
 
 Every test draws fresh random inputs; models are tiny so the file runs in minutes on 2 cores.
+Tokenizer tests use DRT_GPT2_RANKS, or ../shared/data/tokenizers/gpt2.tiktoken beside the checkout.
 """
 
+import glob
+import http.server
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieve, softmax_off_by_one
-from model import topk_earlier, window_attention
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton (gca_kernel)
+
+import gca_kernel  # noqa: E402
+import prepare_pg19  # noqa: E402
+import train  # noqa: E402
+from gca_kernel import flash_gca  # noqa: E402
+from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieve, softmax_off_by_one  # noqa: E402
+from model import topk_earlier, window_attention  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -368,3 +387,568 @@ def test_cuda_offload_equals_device():
             steps = torch.cat([m(idx[:, t : t + 1], state=state)[0] for t in range(20)], 1)
             assert torch.isfinite(steps).all()
         assert state.memory.host_k and state.memory.host_k[0].is_pinned()
+
+
+# -----------------------------------------------------------------------------
+# FlashGCA (gca_kernel.py) against the reference: output and all four gradients
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # max relative error
+
+
+
+# (B, C, M, S, H, D, K, dtype, features)
+#   rep:  each batch's first query chunk picks one chunk twice
+#   w0:   about a quarter of the picks get weight 0 (their dw must still be right)
+#   free: memory chunk M-1 is picked by nobody (its dk, dv must be exactly 0)
+#   hot:  every query chunk picks memory chunk 0 in slot 0 (dk/dv accumulation)
+#   view: q and k_mem are non-contiguous views
+#   wq:   w in q's dtype (it is usually fp32)
+CASES = [
+    (2, 5, 7, 16, 2, 32, 3, torch.float32, "rep-w0-free"),
+    (1, 4, 3, 32, 2, 64, 1, torch.float32, "free"),
+    (1, 3, 19, 16, 1, 16, 16, torch.float32, "rep-w0-free"),
+    (1, 12, 4, 16, 1, 32, 2, torch.float32, "hot-w0"),
+    (2, 3, 5, 16, 3, 32, 2, torch.float32, "view-rep"),
+    (2, 5, 7, 16, 2, 32, 3, torch.float16, "rep-w0-free-wq"),
+    (1, 3, 5, 64, 1, 64, 3, torch.float16, "hot-free"),
+    (1, 2, 3, 128, 1, 16, 2, torch.float16, "view"),
+    (1, 2, 3, 16, 1, 128, 2, torch.float32, "w0"),
+    (1, 6, 7, 64, 2, 64, 8, torch.float16, "rep-w0-free-hot"),  # the model's tile and top-k
+]
+if DEVICE == "cuda":  # natively: the model's tile, bigger shapes, and bf16
+    CASES += [(2, 33, 40, 64, 4, 64, 8, dt, "rep-w0-free-hot")
+              for dt in (torch.float32, torch.float16, torch.bfloat16)]
+    CASES += [(2, 9, 11, 64, 2, d, k, torch.bfloat16, "rep-w0-free-view")
+              for d, k in ((32, 1), (64, 16), (128, 3))]
+
+
+def case_id(case):
+    B, C, M, S, H, D, K, dtype, feat = case
+    name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    return f"B{B}-C{C}-M{M}-S{S}-H{H}-D{D}-K{K}-{name}-{feat}"
+
+
+def make_inputs(case, seed):
+    B, C, M, S, H, D, K, dtype, feat = case
+    g = torch.Generator().manual_seed(seed)
+    feat = feat.split("-")
+    n_pick = M - 1 if "free" in feat else M
+    idx = torch.randint(0, n_pick, (B, C, K), generator=g)
+    if "rep" in feat and K >= 2:
+        idx[:, 0, 1] = idx[:, 0, 0]
+    if "hot" in feat:
+        idx[:, :, 0] = 0
+    w = torch.rand(B, C, K, generator=g)
+    if "w0" in feat:
+        w[torch.rand(B, C, K, generator=g) < 0.25] = 0.0
+        w[0, 0, 0] = 0.0
+    if "wq" in feat:
+        w = w.to(dtype)
+    q = torch.randn(B, C, S, H, D, generator=g)
+    k = torch.randn(B, M, S, H, D, generator=g)
+    v = torch.randn(B, M, S, H, D, generator=g)
+    do = torch.randn(B, C, S, H, D, generator=g)
+    q, k, v, do = (x.to(DEVICE, dtype) for x in (q, k, v, do))
+    if "view" in feat:  # q: last dim sliced out of a wider tensor; k: chunks and positions swapped
+        q = torch.zeros(B, C, S, H, 2 * D, dtype=dtype, device=DEVICE)[..., :D].copy_(q)
+        k = torch.zeros(B, S, M, H, D, dtype=dtype, device=DEVICE).transpose(1, 2).copy_(k)
+    return q, k, v, idx.to(DEVICE), w.to(DEVICE), do
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_flash_gca_matches_naive(case, monkeypatch):
+    monkeypatch.setattr(gca_kernel, "DEBUG_POISON", True)  # unwritten outputs read as NaN
+    B, C, M, S, H, D, K, dtype, feat = case
+    q, k, v, idx, w, do = make_inputs(case, seed=zlib.crc32(case_id(case).encode()))
+    if "view" in feat:
+        assert not q.is_contiguous() and not k.is_contiguous() and q.stride(-1) == 1
+    ins = [x.detach().requires_grad_() for x in (q, k, v, w)]
+    o = flash_gca(ins[0], ins[1], ins[2], idx, ins[3])
+    grads = torch.autograd.grad(o, ins, do)
+    ref_ins = [x.detach().float().requires_grad_() for x in (q, k, v, w)]
+    o_ref = gca_reference(ref_ins[0], ref_ins[1], ref_ins[2], idx, ref_ins[3])
+    ref_grads = torch.autograd.grad(o_ref, ref_ins, do.float())
+
+    assert o.dtype == dtype and o.shape == (B, C, S, H, D)
+    errs = {"o": rel_err(o, o_ref)}
+    for name, x, g, r in zip(("dq", "dk", "dv", "dw"), ins, grads, ref_grads):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        errs[name] = rel_err(g, r)
+    zero_w = w == 0
+    if zero_w.any():  # dw_i = <dO, O_i> whatever w_i is
+        errs["dw[w=0]"] = rel_err(grads[3][zero_w], ref_grads[3][zero_w])
+    msg = ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
+    assert all(e < TOL[dtype] for e in errs.values()), f"relative errors: {msg}"
+    if "free" in feat:  # nobody picked chunk M-1: its gradients are exactly 0
+        assert grads[1][:, M - 1].eq(0).all() and grads[2][:, M - 1].eq(0).all()
+
+
+def test_flash_gca_grads_subset():
+    """Only some inputs need grad (the model's k_mem/v_mem may be frozen); int32 idx."""
+    case = (1, 3, 4, 16, 1, 16, 2, torch.float32, "w0")
+    q, k, v, idx, w, do = make_inputs(case, seed=7)
+    q.requires_grad_()
+    o = flash_gca(q, k, v, idx.int(), w)
+    (dq,) = torch.autograd.grad(o, (q,), do)
+    q_ref = q.detach().requires_grad_()
+    (dq_ref,) = torch.autograd.grad(gca_reference(q_ref, k, v, idx, w), (q_ref,), do)
+    assert rel_err(dq, dq_ref) < 1e-4
+
+
+def test_flash_gca_deterministic():
+    """No atomics: two backward passes agree bit for bit; no_grad gives the same o."""
+    case = (2, 6, 4, 16, 2, 16, 3, torch.float16, "hot-w0")
+    q, k, v, idx, w, do = make_inputs(case, seed=3)
+    ins = [x.requires_grad_() for x in (q, k, v, w)]
+    o1 = flash_gca(*ins[:3], idx, ins[3])
+    o2 = flash_gca(*ins[:3], idx, ins[3])
+    g1 = torch.autograd.grad(o1, ins, do)
+    g2 = torch.autograd.grad(o2, ins, do)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    with torch.no_grad():
+        assert torch.equal(flash_gca(*ins[:3], idx, ins[3]), o1)
+
+
+def test_flash_gca_input_errors():
+    case = (1, 2, 3, 16, 1, 16, 2, torch.float32, "")
+    q, k, v, idx, w, _ = make_inputs(case, seed=0)
+    bad = [
+        ((q[0], k, v, idx, w), ValueError, "must be \\(B, C, S, H, D\\)"),
+        ((q, k[:, :, :, :, :8], v, idx, w), ValueError, "to match q"),
+        ((q, k, v[:, :2], idx, w), ValueError, "v_mem .* shape of k_mem"),
+        ((q, k, v, idx[:, :1], w), ValueError, "idx .* must be \\(B, C, K\\)"),
+        ((q, k, v, idx, w[..., :1]), ValueError, "w .* shape of idx"),
+        ((q.double(), k.double(), v.double(), idx, w), TypeError, "fp16, bf16 or fp32"),
+        ((q, k.half(), v, idx, w), TypeError, "share one dtype"),
+        ((q, k, v, idx.float(), w), TypeError, "idx must be an integer"),
+        ((q, k, v, idx, (w > 0.5).long()), TypeError, "w must be a float"),
+        ((q, k, v, idx + 3, w), ValueError, "idx must lie in \\[0, M=3\\)"),
+        ((q, k, v, idx - 1, w), ValueError, "idx must lie in"),
+        ((q[..., :8], k[..., :8], v[..., :8], idx, w), ValueError, "head dim D=8"),
+        ((q[:, :, :8], k[:, :, :8], v[:, :, :8], idx, w), ValueError, "chunk size S=8"),
+    ]
+    big = torch.zeros(1, 2, 128, 1, 128, device=DEVICE)  # fp32 128 x 128 tiles: too big
+    bad.append(((big, big, big, idx[:1], w[:1]), ValueError, "do not fit in shared memory"))
+    for args, err, pattern in bad:
+        with pytest.raises(err, match=pattern):
+            flash_gca(*args)
+
+
+
+# -----------------------------------------------------------------------------
+# data preparation (prepare_pg19.py)
+
+SHARED = Path(__file__).resolve().parent.parent / "shared"
+
+
+def _tokenizer_or_skip(monkeypatch):
+    # the shared ranks file works offline; without it, tiktoken must download 'gpt2'
+    default = SHARED / "data/tokenizers/gpt2.tiktoken"
+    if not os.environ.get("DRT_GPT2_RANKS") and default.is_file():
+        monkeypatch.setenv("DRT_GPT2_RANKS", str(default))
+    try:
+        return prepare_pg19.get_tokenizer()
+    except (RuntimeError, FileNotFoundError) as e:
+        pytest.skip(f"no GPT-2 tokenizer: {e}")
+
+
+def _write_books(root, books, metadata=None):
+    # books: {split: {book_id: text or bytes}}
+    for split, bs in books.items():
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for book_id, text in bs.items():
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+            (root / split / f"{book_id}.txt").write_bytes(data)
+    if metadata is not None:
+        (root / "metadata.csv").write_text(metadata, encoding="utf-8")
+
+
+def test_tokenizer_local_file(monkeypatch):
+    enc = _tokenizer_or_skip(monkeypatch)
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.encode_ordinary(" the") == [262]
+    assert enc.n_vocab == prepare_pg19.GPT2_VOCAB == 50257
+    assert enc.eot_token == prepare_pg19.EOT == 50256
+    text = "It was the best of times,\r\nit was the worst of times — naïve café 日本 <|endoftext|>\n\n"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+    with pytest.raises(FileNotFoundError, match="nope.tiktoken"):
+        prepare_pg19.get_tokenizer("/nonexistent/nope.tiktoken")
+
+
+def test_prepare_tiny_layout(tmp_path, monkeypatch):
+    enc = _tokenizer_or_skip(monkeypatch)
+    books = {
+        "train": {10: "Chapter I.\n\nCall me Ishmael. " * 50, 9: "Short book.\r\nWith CRLF.\r\n",
+                  123: "Ünïcødé — “quotes” and <|endoftext|> as plain text.\n", 7: ""},
+        "validation": {5: "The valid book.\n" * 20},
+        "test": {3: "The test book; the end.\n"},
+    }
+    # the real PG19 metadata.csv has no header row; titles may hold commas
+    metadata = '9,"Short, Book",1900,http://x/9\n10,Moby Dick,1851,http://x/10\n5,Valid,1800,http://x/5\n'
+    _write_books(tmp_path / "src", books, metadata)
+    out = tmp_path / "out"
+    meta = prepare_pg19.prepare(str(tmp_path / "src"), str(out), num_proc=2, log=lambda s: None)
+    assert meta == json.loads((out / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["eot"], meta["dtype"]) == (50257, 50256, "uint16")
+    assert meta["titles"]["9"] == "Short, Book" and meta["titles"]["10"] == "Moby Dick"
+    for folder, name in [("train", "train"), ("validation", "val"), ("test", "test")]:
+        m = meta["splits"][name]
+        data = np.fromfile(out / f"{name}.bin", dtype=np.uint16)
+        ids = sorted(books[folder])  # numeric order: 7, 9, 10, 123 (not "10" < "123" < "7" < "9")
+        assert [b for b, _, _ in m["offsets"]] == ids
+        assert m["books"] == len(ids)
+        assert m["tokens"] == len(data) == sum(len(enc.encode_ordinary(books[folder][i])) + 1 for i in ids)
+        for book_id, start, n in m["offsets"]:
+            toks = data[start:start + n].tolist()
+            assert toks[-1] == 50256 and 50256 not in toks[:-1]
+            assert enc.decode(toks[:-1]) == books[folder][book_id]
+    assert sorted(os.listdir(out)) == ["meta.json", "test.bin", "train.bin", "val.bin"]  # no temp files left
+
+    # re-running one split keeps the others in meta.json
+    meta2 = prepare_pg19.prepare(str(tmp_path / "src"), str(out), splits=("test",), num_proc=1, log=lambda s: None)
+    assert meta2["splits"] == meta["splits"] and meta2["titles"] == meta["titles"]
+
+
+def test_prepare_shared_sample(tmp_path, monkeypatch):
+    src = Path(__file__).resolve().parent.parent / "shared/data/pg19-sample"
+    if not src.is_dir():
+        pytest.skip(f"{src} not present")
+    enc = _tokenizer_or_skip(monkeypatch)
+    meta = prepare_pg19.prepare(str(src), str(tmp_path), num_proc=2, log=lambda s: None)
+    assert {n: m["books"] for n, m in meta["splits"].items()} == {"train": 20, "val": 2, "test": 2}
+    for name, m in meta["splits"].items():
+        data = np.memmap(tmp_path / m["file"], dtype=np.uint16, mode="r")
+        assert m["tokens"] == len(data) == sum(n for _, _, n in m["offsets"])
+        assert int((data == 50256).sum()) == m["books"]
+        assert int(data.max()) < 50257
+    book_id, start, n = meta["splits"]["val"]["offsets"][-1]
+    data = np.memmap(tmp_path / "val.bin", dtype=np.uint16, mode="r")
+    assert enc.decode(data[start:start + n - 1].tolist()) == (src / "validation" / f"{book_id}.txt").read_text("utf-8")
+    assert meta["titles"][str(book_id)] == "The Adventures of Sherlock Holmes"
+
+
+def test_prepare_errors(tmp_path, monkeypatch):
+    _tokenizer_or_skip(monkeypatch)
+    quiet = dict(num_proc=1, log=lambda s: None)
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        prepare_pg19.prepare(str(tmp_path / "no_such_dir"), str(tmp_path / "out"), **quiet)
+
+    src = tmp_path / "src"
+    _write_books(src, {"train": {1: "a"}, "validation": {2: "b"}})
+    with pytest.raises(FileNotFoundError, match="test"):  # missing split folder
+        prepare_pg19.prepare(str(src), str(tmp_path / "out"), **quiet)
+
+    (src / "test").mkdir()
+    (src / "test" / "notes.md").write_text("not a book")
+    with pytest.raises(ValueError, match="no .txt files"):  # empty split
+        prepare_pg19.prepare(str(src), str(tmp_path / "out"), **quiet)
+
+    (src / "test" / "4.txt").write_bytes(b"caf\xe9 in latin-1\n")
+    with pytest.raises(ValueError, match=r"4\.txt.*UTF-8"):  # the message names the file
+        prepare_pg19.prepare(str(src), str(tmp_path / "out"), **quiet)
+
+    (src / "test" / "4.txt").write_text("fine now")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="not writable"):  # works as root too, unlike chmod
+        prepare_pg19.prepare(str(src), str(tmp_path / "a_file" / "out"), **quiet)
+
+    with pytest.raises(SystemExit, match="no_such_dir"):  # the CLI turns errors into one clear line
+        prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
+
+
+def test_prepare_interrupted_leaves_nothing_complete(tmp_path, monkeypatch):
+    _tokenizer_or_skip(monkeypatch)
+    books = {str(i): "Some perfectly fine text. " * 200 for i in range(1, 9)}
+    books["99"] = b"fine start, then \xff\xfe garbage"  # sorts last: fails after the others were written
+    _write_books(tmp_path / "src", {"train": books, "validation": {1: "v"}, "test": {1: "t"}})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "meta.json").write_text('{"splits": {}}')  # from an earlier run: must not survive a failed one
+    with pytest.raises(ValueError, match="99.txt"):
+        prepare_pg19.prepare(str(tmp_path / "src"), str(out), num_proc=2, log=lambda s: None)
+    assert os.listdir(out) == []  # no train.bin, no train.bin.tmp, no meta.json
+
+
+def test_download_fake_bucket(tmp_path):
+    files = {f"train/{i}.txt": f"train book {i}\n".encode() * (i + 1) for i in (1, 2, 3, 10, 11)}
+    files.update({"validation/5.txt": b"val\n", "test/6.txt": "tést\n".encode(), "metadata.csv": b"1,One,1900,u\n"})
+    requests, fail_once = [], {"train/3.txt"}  # one transient 503 to exercise the retry
+
+    class Bucket(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            from urllib.parse import urlparse, parse_qs, unquote
+            u = urlparse(self.path)
+            if u.path == "/storage/v1/b/bkt/o":  # listing, 2 items per page
+                q = parse_qs(u.query)
+                names = sorted(n for n in files if n.startswith(q["prefix"][0]))
+                start = int(q.get("pageToken", ["0"])[0])
+                page = {"items": [{"name": n, "size": str(len(files[n]))} for n in names[start:start + 2]]}
+                if start + 2 < len(names):
+                    page["nextPageToken"] = str(start + 2)
+                body = json.dumps(page).encode()
+            else:
+                name = unquote(u.path[len("/bkt/"):])
+                requests.append(name)
+                if name in fail_once:
+                    fail_once.discard(name)
+                    self.send_error(503)
+                    return
+                body = files[name]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bucket)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    kw = dict(api_url=f"{base}/storage/v1/b/bkt/o", base_url=f"{base}/bkt", workers=4, backoff=0.0,
+              log=lambda s: None)
+    raw = tmp_path / "raw"
+    try:
+        # a .part from an interrupted download, and a truncated file under its final name
+        (raw / "train").mkdir(parents=True)
+        (raw / "train" / "2.txt.part").write_bytes(files["train/2.txt"][:5])
+        (raw / "train" / "10.txt").write_bytes(files["train/10.txt"][:7])
+        assert prepare_pg19.download_pg19(str(raw), **kw) == len(files)
+        got = {str(p.relative_to(raw)): p.read_bytes() for p in raw.rglob("*") if p.is_file()}
+        assert got == files  # every file whole, no .part left
+        assert sorted(requests) == sorted(list(files) + ["train/3.txt"])  # 3.txt twice: the retry
+
+        requests.clear()
+        assert prepare_pg19.download_pg19(str(raw), **kw) == 0  # resume: nothing to fetch
+        assert requests == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# -----------------------------------------------------------------------------
+# training (train.py)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# a DRT with every part in it (S=8: 7 tokens + landmark, W=16, K=3), on 5 chunks of 7 tokens
+TINY = ["--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1", "--chunk_size=8", "--window=16",
+        "--topk=3", "--vocab_size=96", "--landmark_id=95", "--block_size=35", "--batch_size=2", "--tokens_per_step=0",
+        "--max_iters=6", "--eval_interval=3", "--eval_iters=2", "--log_interval=1", "--learning_rate=1e-2",
+        "--min_lr=1e-3", "--warmup_frac=0.2", "--device=cpu"]
+
+
+def tiny_dataset(folder, vocab=95):
+    """train.bin / val.bin of random uint16 ids and the meta.json that marks them complete. The ids
+    use 16 of the vocab's values, so the loss has something to learn at once."""
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split, n in [("train", 5000), ("val", 1000)]:
+        rng.integers(vocab - 16, vocab, n, dtype=np.uint16).tofile(os.path.join(folder, f"{split}.bin"))
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump({"tokenizer": "random", "vocab_size": vocab, "splits": {}}, f)
+    return str(folder)
+
+
+def tiny_args(tmp_path, run, *extra):
+    return [*TINY, f"--data_dir={tiny_dataset(tmp_path / 'data')}", f"--out_dir={tmp_path / run}", *extra]
+
+
+def load_ckpt(path):
+    return torch.load(os.path.join(path, "ckpt.pt"), map_location="cpu")
+
+
+# -----------------------------------------------------------------------------
+
+
+def test_config_block_and_help(capsys):
+    """Every key has a why-comment in the block; the model keys are DRTConfig's fields and their
+    defaults the paper's 146M model; --help lists every key; the shipped config files parse."""
+    keys = [k for k, _ in train.BLOCK if k]
+    assert len(keys) == len(set(keys)) and all(comment for _, comment in train.BLOCK)
+    assert set(train.MODEL_KEYS) <= set(keys)
+    assert DRTConfig(**{k: train.DEFAULTS[k] for k in train.MODEL_KEYS}) == DRTConfig()
+    assert train.main(["--help"]) == []
+    out = capsys.readouterr().out
+    assert all(f"--{k}=" in out for k in keys)
+    configs = sorted(glob.glob(os.path.join(HERE, "config", "*.py")))
+    assert len(configs) >= 4
+    for path in configs:
+        c, explicit = train.parse_config([path])
+        train.check_config(c)
+        DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
+        assert explicit
+
+
+def test_overrides():
+    c, explicit = train.parse_config(["--groups=3,3", "--learning_rate=1", "--out_dir=out-x", "--dataset=passkey",
+                                      "--compile=True", "--groups=()"])
+    assert c["groups"] == () and c["learning_rate"] == 1.0 and type(c["learning_rate"]) is float
+    assert c["out_dir"] == "out-x" and c["dataset"] == "passkey" and c["compile"] is True
+    assert explicit == {"groups", "learning_rate", "out_dir", "dataset", "compile"}
+
+
+def test_resume_is_exact(tmp_path):
+    """6 steps in one go == 3 steps, stop, resume, 3 more: the same losses and weights, bit for
+    bit (data windows and Gumbel noise are functions of (seed, step, micro-batch))."""
+    full = train.main(tiny_args(tmp_path, "full", "--always_save_checkpoint=True"))
+    first = train.main(tiny_args(tmp_path, "split", "--stop_iter=3"))
+    rest = train.main(tiny_args(tmp_path, "split", "--init_from=resume"))
+    assert [it for it, _ in full] == [1, 2, 3, 4, 5, 6] and full[-1][1] < full[0][1]
+    assert first + rest == full
+    a, b = load_ckpt(tmp_path / "full"), load_ckpt(tmp_path / "split")
+    assert a["iter_num"] == b["iter_num"] == 6
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    with open(tmp_path / "split" / "ckpt.json") as f:  # readable without torch
+        summary = json.load(f)
+    assert summary["iter_num"] == 6 and summary["model_args"]["groups"] == [1] and summary["config"]["block_size"] == 35
+
+
+def test_ddp_matches_one_process(tmp_path):
+    """torchrun, 2 CPU processes (gloo), batch 1 each == one process, batch 1, 2 accumulation steps:
+    the same global batch and noise. Two steps, so a rank whose weights drifted after step 1 would
+    change step 2's averaged gradient and the rank-0 checkpoint. Only rank 0 prints and saves."""
+    extra = ["--batch_size=1", f"--tokens_per_step={2 * 35}", "--max_iters=2", "--eval_interval=2"]
+    single = train.main(tiny_args(tmp_path, "single", *extra))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *tiny_args(tmp_path, "ddp", *extra)]
+    r = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "2 rank(s) x 1 accum" in r.stdout
+    ddp = [(int(m[1]), float(m[2])) for m in re.finditer(r"^iter (\d+)/2 \| loss ([\d.]+)", r.stdout, re.M)]
+    assert [it for it, _ in ddp] == [1, 2]  # printed once: by rank 0 alone
+    for (_, a), (_, b) in zip(ddp, single):
+        assert a == pytest.approx(b, rel=1e-4)  # the log prints 4 decimals
+    a, b = load_ckpt(tmp_path / "ddp"), load_ckpt(tmp_path / "single")
+    assert a["iter_num"] == b["iter_num"] == 2
+    for name, t in a["model"].items():
+        torch.testing.assert_close(t, b["model"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_passkey_task(tmp_path, monkeypatch):
+    ranks = os.path.join(HERE, "..", "shared", "data", "tokenizers", "gpt2.tiktoken")
+    if "DRT_GPT2_RANKS" not in os.environ and os.path.isfile(ranks):
+        monkeypatch.setenv("DRT_GPT2_RANKS", ranks)
+    hist = train.main(["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
+                       "--chunk_size=8", "--window=16", "--topk=3", "--block_size=70", "--batch_size=2", "--tokens_per_step=0",
+                       "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--log_interval=1", "--device=cpu",
+                       f"--out_dir={tmp_path / 'out'}"])
+    assert [it for it, _ in hist] == [1, 2] and all(np.isfinite(loss) for _, loss in hist)
+    assert load_ckpt(tmp_path / "out")["model_args"]["vocab_size"] == 50304  # GPT-2's vocabulary
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lerning_rate=1e-3"], r"unknown key 'lerning_rate' \(did you mean learning_rate\?\)"),
+    (["--max_iters=1.5"], r"max_iters must be of type int like its default 60000, got 1.5"),
+    (["--groups=3"], r"groups must be of type tuple"),
+    (["--compile=1"], r"compile must be of type bool"),
+    (["--batch_size"], r"write overrides as --key=value"),
+    (["--block_size=0"], r"block_size=0 must be a positive int"),
+    (["config/nothing.py"], r"config file config/nothing.py not found"),
+], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file"])
+def test_config_errors(argv, message):
+    with pytest.raises(train.ConfigError, match=message):
+        train.main(argv)
+
+
+def test_config_file_unknown_key(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("import math\nbatch_size = 2\nn_emdb = 64\n")
+    with pytest.raises(train.ConfigError, match=r"bad.py: unknown key 'n_emdb' \(did you mean n_embd\?\)"):
+        train.main([str(path)])
+
+
+def test_setup_errors(tmp_path):
+    with pytest.raises(train.ConfigError, match=r"meta.json not found: prepare the data first, e.g. python prepare_pg19.py"):
+        train.main([*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(train.ConfigError, match=r"val.bin has 1,000 tokens, fewer than block_size\+1=1,009; lower --block_size"):
+        train.main(tiny_args(tmp_path, "out", "--block_size=1008"))
+    with pytest.raises(train.ConfigError, match=r"tokens_per_step=100 is not a multiple of batch_size\*block_size\*GPUs"):
+        train.main(tiny_args(tmp_path, "out", "--tokens_per_step=100"))
+    with pytest.raises(train.ConfigError, match=r"gives fewer than 3 chunks"):
+        train.main(tiny_args(tmp_path, "out", "--block_size=14"))
+    with pytest.raises(train.ConfigError, match=r"landmark_id=95 must lie above them"):
+        train.main([*TINY, f"--data_dir={tiny_dataset(tmp_path / 'big', vocab=200)}", f"--out_dir={tmp_path / 'out'}"])
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(train.ConfigError, match=r"is not writable .*: pass --out_dir="):
+        train.main(tiny_args(tmp_path, "a_file/out"))
+    with pytest.raises(train.ConfigError, match=r"no checkpoint at .*ckpt.pt: use --init_from=scratch"):
+        train.main(tiny_args(tmp_path, "empty", "--init_from=resume"))
+
+
+def test_resume_conflicting_model(tmp_path):
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    with pytest.raises(train.ConfigError, match=r"has n_embd=32, the config asks 64: drop --n_embd .* or start a new out_dir"):
+        train.main(tiny_args(tmp_path, "run", "--init_from=resume", "--n_embd=64", "--max_iters=2"))
+    # model keys left out are taken from the checkpoint
+    no_model_keys = [a for a in tiny_args(tmp_path, "run", "--init_from=resume", "--max_iters=2")
+                     if a.split("=")[0][2:] not in train.MODEL_KEYS]
+    assert [it for it, _ in train.main(no_model_keys)] == [2]
+
+
+# -----------------------------------------------------------------------------
+# long-context tasks (tasks.py) and sampling (sample.py)
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey", "vartrack"])
+def test_tasks(task, monkeypatch):
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    rng = random.Random(task)
+    for length in (200, 333, 1000):
+        prompt, answer = tasks.make_example(task, length, rng, enc)
+        assert len(prompt) == length
+        text, want = enc.decode(prompt), enc.decode(answer).strip()
+        assert want.isdigit() and text.count(want) >= 1  # the answer is in the haystack
+        assert tasks.score(task, " " + want + ". The", answer, enc) == 1
+        assert tasks.score(task, " 1" + want, answer, enc) == 0
+    x, y = tasks.get_batch(task, 3, 256, rng, enc)
+    assert x.shape == y.shape == (3, 256)
+    for b in range(3):
+        n = (y[b] != -1).sum().item()
+        assert 1 <= n <= 4 and (y[b, -n:] != -1).all()  # the loss is on the answer alone, at the end
+        assert torch.equal(y[b, -n:-1], x[b, -n + 1 :])  # teacher forcing: answer token t is input t+1
+    with pytest.raises(ValueError, match="too short"):
+        tasks.make_example(task, 20, rng, enc)
+
+
+def tiny_checkpoint(path, **kw):
+    """A random GPT-2-vocabulary DRT saved the way train.py saves (model, model_args)."""
+    from dataclasses import asdict
+    cfg = DRTConfig(n_embd=32, n_head=4, n_lower=1, groups=(1,), n_enc=1, window=128, topk=2, **kw)
+    torch.manual_seed(0)
+    torch.save({"model": DRT(cfg).state_dict(), "model_args": asdict(cfg), "iter_num": 7}, path)
+    return str(path)
+
+
+def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    sample.main([f"--ckpt={ckpt}", "--prompt=Once upon a time", "--max_new_tokens=5", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert "iter 7" in out and "Once upon a time" in out
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples=2", "--offload",
+                 "--segment=100", "--device=cpu"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d%", line)]
+    assert len(rows) == 4, out  # two lengths x two tasks
+
+
+def test_sample_checkpoint_errors(tmp_path, monkeypatch):
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
+    ckpt = torch.load(tiny_checkpoint(tmp_path / "a.pt"), weights_only=False)
+    ckpt["model_args"]["n_embd"] = 64  # weights of one shape, config of another
+    torch.save(ckpt, tmp_path / "b.pt")
+    with pytest.raises(SystemExit, match="do not fit the config"):
+        sample.main([f"--ckpt={tmp_path / 'b.pt'}", "--device=cpu"])
+    with pytest.raises(SystemExit, match="lengths"):
+        sample.main([f"--ckpt={tmp_path / 'a.pt'}", "--passkey", "--lengths=4Q", "--device=cpu"])

@@ -55,6 +55,7 @@ stop_iter = 0  # stop and save after this step without changing the schedule (a 
 # data
 dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py)
 data_dir = ""  # folder of the prepared dataset; "" = data/<dataset>
+task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
 block_size = 16380  # text tokens per sequence: 260 chunks of 63 (DESIGN §2), the paper's 16K training length
 tokens_per_step = 524160  # per step, all GPUs (the paper's 8x4x16380): k * batch_size*block_size*GPUs, k = accumulation; 0: k=1
@@ -190,6 +191,8 @@ def check_config(c):
         bad.append(f"min_lr={c['min_lr']} must lie in [0, learning_rate={c['learning_rate']}]")
     if c["tokens_per_step"] < 0 or c["grad_clip"] < 0:
         bad.append("tokens_per_step and grad_clip must be >= 0")
+    if c["task_loss"] not in ("all", "answer"):
+        bad.append(f"task_loss={c['task_loss']!r} must be 'all' or 'answer'")
     if c["dtype"] not in ("auto", "bfloat16", "float32"):
         bad.append(f"dtype={c['dtype']!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)")
     if bad:
@@ -327,8 +330,9 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         enc = get_tokenizer()
         data_vocab = GPT2_VOCAB  # the tasks' text is GPT-2 tokens
 
-        def get_batch(split, rng):
-            return tasks.get_batch(c["dataset"], c["batch_size"], c["block_size"], rng, enc)
+        def get_batch(split, rng, training):  # evaluation scores the answer alone: that is the task
+            answer_only = not training or c["task_loss"] == "answer"
+            return tasks.get_batch(c["dataset"], c["batch_size"], c["block_size"], rng, enc, answer_only=answer_only)
     else:
         data_dir = c["data_dir"] or os.path.join("data", c["dataset"])
         meta_path = os.path.join(data_dir, "meta.json")
@@ -346,7 +350,7 @@ def train(c, explicit, device, ddp, rank, world_size, master):
                                   f"lower --block_size")
             splits[split] = (path, n)
 
-        def get_batch(split, rng):
+        def get_batch(split, rng, training):
             path, n = splits[split]
             data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
             starts = [rng.randrange(n - c["block_size"]) for _ in range(c["batch_size"])]
@@ -358,8 +362,8 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         raise ConfigError(f"the data's token ids reach {data_vocab - 1}, but landmark_id={model_args['landmark_id']} "
                           f"must lie above them: set --landmark_id={data_vocab} (and vocab_size above it)")
 
-    def batch(split, rng):
-        x, y = get_batch(split, rng)
+    def batch(split, rng, training=False):
+        x, y = get_batch(split, rng, training)
         if cuda:
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         return x.to(device), y.to(device)
@@ -446,7 +450,7 @@ def train(c, explicit, device, ddp, rank, world_size, master):
             group["lr"] = lr
         for micro in range(grad_accum):
             g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-            x, y = batch("train", step_rng(c["seed"], "train", iter_num, g))
+            x, y = batch("train", step_rng(c["seed"], "train", iter_num, g), training=True)
             torch.manual_seed(step_rng(c["seed"], "gumbel", iter_num, g).getrandbits(63))  # the model's noise
             sync = model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext()  # all-reduce once per step
             with sync:

@@ -1,5 +1,5 @@
 # A small DRT trained on the synthetic passkey task alone (DESIGN §6, tasks.py): 2,016-token
-# prompts (32 chunks of 63) with the key at a random depth and the loss on the answer only.
+# prompts (32 chunks of 63) with the key at a random depth; next-token loss everywhere (the task_loss default).
 # The window (4 chunks) sees the key in ~1 prompt of 8: elsewhere the model must retrieve it.
 # Learns retrieval within minutes on one GPU; then test at 1000x the length and more:
 #   python train.py config/passkey.py
@@ -7,7 +7,7 @@
 out_dir = "out-passkey"
 dataset = "passkey"
 eval_interval = 500
-eval_iters = 4
+eval_iters = 8  # the answer loss: a few hundred answer tokens
 log_interval = 50
 
 block_size = 2016
@@ -25,4 +25,4 @@ topk = 4
 learning_rate = 2e-3
 min_lr = 2e-4
 warmup_frac = 0.05
-max_iters = 3000
+max_iters = 2500
