@@ -21,7 +21,7 @@ import torch
 
 import model as drt
 from model import DRT, DRTConfig
-from sample import fmt_len, parse_lengths, peak_host_gib
+from sample import fmt_len, kv_bytes, parse_lengths, peak_host_gib
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense tensor-core FLOP/s by device name
 
@@ -110,12 +110,10 @@ def bench_long(args, dev):
                 model(x, state=state)
         sync(dev)
         dt = time.time() - t0
-        mem = state.memory
-        kv = mem.host_k[0] if mem.host_k else mem.k
-        kv_bytes = mem.M * 2 * kv[0, 0].numel() * kv.element_size()
+        kv = kv_bytes(state.memory)
+        del state  # before the next length allocates its own memory
         print(f"{fmt_len(L):>7s} | {dt:8.1f} {L / dt:10,.0f} | {peak_gpu_gib(dev):8.2f}G "
-              f"{kv_bytes / 2**30:9.2f}G {kv_bytes / L:8.0f} {peak_host_gib():9.1f}G", flush=True)
-        del state
+              f"{kv / 2**30:9.2f}G {kv / L:8.0f} {peak_host_gib():9.1f}G", flush=True)
 
 
 def main():

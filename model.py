@@ -212,16 +212,16 @@ def softmax_off_by_one(r, off_by_one=True):
 
 
 @torch.no_grad()
-def topk_earlier(q, landmarks, chunk_ids, k, noise=False, block=65536):
+def topk_earlier(q, blocks, chunk_ids, k, noise=False):
     """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
-    landmarks (B, M, C), chunk_ids (n,) int64 -> (idx, eligible) each (B, n, k).
-    Landmarks are scored in blocks with a running top-k, so at 1M chunks there is never an
-    n x M score matrix. noise=True adds Gumbel(0, 1) noise (training exploration)."""
+    blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
+    (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
+    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training)."""
     B, n, C = q.shape
     best_s = upcast(q.new_full((B, n, k), float("-inf")))
     best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
-    for m0 in range(0, landmarks.size(1), block):
-        lm = landmarks[:, m0 : m0 + block]  # (B, mb, C)
+    m0 = 0
+    for lm in blocks:  # (B, mb, C)
         s = upcast(q @ lm.transpose(1, 2)) / math.sqrt(C)  # (B, n, mb)
         if noise:
             s = s - torch.empty_like(s).exponential_().log()  # -log(Exp(1)) ~ Gumbel(0, 1)
@@ -230,19 +230,19 @@ def topk_earlier(q, landmarks, chunk_ids, k, noise=False, block=65536):
         s = torch.cat([best_s, s], -1)
         best_s, pos = s.topk(k, -1)
         best_i = torch.cat([best_i, j.expand(B, n, -1)], -1).gather(-1, pos)
+        m0 += lm.size(1)
     eligible = best_s > float("-inf")  # k > number of earlier chunks leaves empty picks
     return best_i.masked_fill(~eligible, 0), eligible
 
 
-def retrieve(q, landmarks, chunk_ids, cfg, training):
+def retrieve(q, memory, chunk_ids, cfg, training):
     """Eq. 1 + Eq. 3 for one group. q (B, n, C): normalised states at n landmarks (chunks
-    chunk_ids); landmarks (B, M, C) the memory's l_j. Picks the top-k earlier chunks (of
-    Gumbel-noised scores in training) and weights them from the CLEAN scores, through which
-    the retriever gets its gradient. Returns idx (B, n, K) int64 and w (B, n, K) (fp32 or fp64)."""
+    chunk_ids); memory: the ChunkMemory whose landmarks l_j are scored. Picks the top-k
+    earlier chunks (of Gumbel-noised scores in training) and weights them from the CLEAN
+    scores, through which the retriever gets its gradient. -> idx (B, n, K) int64, w (B, n, K)."""
     noise = training and cfg.gumbel
-    idx, eligible = topk_earlier(q, landmarks, chunk_ids, cfg.topk, noise)
-    b = torch.arange(q.size(0), device=q.device)[:, None, None]
-    r = upcast((q.unsqueeze(2) * landmarks[b, idx]).sum(-1)) / math.sqrt(q.size(-1))  # (B, n, K) r = q.l/sqrt(d)
+    idx, eligible = topk_earlier(q, memory.landmark_blocks(), chunk_ids, cfg.topk, noise)
+    r = upcast((q.unsqueeze(2) * memory.landmarks_at(idx)).sum(-1)) / math.sqrt(q.size(-1))  # (B, n, K) r = q.l/sqrt(d)
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return idx, w
 
@@ -408,15 +408,18 @@ class KVRing:
 
 class ChunkMemory:
     """The encoded chunks of a stream: keys/values (B, M, S, H, D) and landmarks (B, M, C).
-    Landmarks stay on the compute device: retrieval scores all of them. With offload=True
-    the keys/values live in host memory (pinned when CUDA is there) in blocks that are never
-    re-copied, 2*S*C*bytes per chunk, and only picked chunks travel to the device."""
+    Landmarks stay on the compute device, in blocks of LM_BLOCK chunks that are never
+    re-copied (retrieval scores them block by block). With offload=True the keys/values live
+    in host memory (pinned when CUDA is there), also in blocks, 2*S*C*bytes per chunk, and
+    only picked chunks travel to the device: GPU memory then grows by the landmarks alone."""
 
-    HOST_BLOCK = 1024  # chunks per host block
+    HOST_BLOCK = 1024  # chunks per host block of keys/values
+    LM_BLOCK = 65536  # chunks per device block of landmarks
 
     def __init__(self, offload):
         self.offload, self.M = offload, 0
-        self.k = self.v = self.l = None  # device buffers with spare capacity (k, v unused when offloading)
+        self.k = self.v = None  # on-device keys/values with spare capacity (unused when offloading)
+        self.l_blocks, self.l_block = [], self.LM_BLOCK  # landmarks: list of (B, l_block, C)
         self.host_k, self.host_v = [], []  # offload: list of (B, HOST_BLOCK, S, H, D) host blocks
 
     @staticmethod
@@ -431,7 +434,14 @@ class ChunkMemory:
         return buf
 
     def append(self, k, v, l):  # k, v (B, n, S, H, D); l (B, n, C)
-        self.l = self._grow(self.l, l, self.M)
+        j = 0
+        while j < l.size(1):
+            blk, off = divmod(self.M + j, self.l_block)
+            if blk == len(self.l_blocks):
+                self.l_blocks.append(l.new_empty(l.size(0), self.l_block, l.size(2)))
+            n = min(l.size(1) - j, self.l_block - off)
+            self.l_blocks[blk][:, off : off + n] = l[:, j : j + n]
+            j += n
         if not self.offload:
             self.k, self.v = self._grow(self.k, k, self.M), self._grow(self.v, v, self.M)
         else:
@@ -453,11 +463,25 @@ class ChunkMemory:
     def of(cls, k, v, l):
         """The memory of one training sequence: the encoder's outputs themselves, no copies."""
         memory = cls(offload=False)
-        memory.k, memory.v, memory.l, memory.M = k, v, l, k.size(1)
+        memory.k, memory.v, memory.M = k, v, l.size(1)
+        memory.l_blocks, memory.l_block = [l], max(1, l.size(1))
         return memory
 
-    def landmarks(self):
-        return self.l[:, : self.M]  # (B, M, C)
+    def landmark_blocks(self):
+        """The landmarks as consecutive (B, mb, C) blocks: M chunks in all."""
+        return [blk[:, : min(self.l_block, self.M - i * self.l_block)] for i, blk in enumerate(self.l_blocks)]
+
+    def landmarks_at(self, idx):
+        """l_j of the picks idx (B, n, K) -> (B, n, K, C)."""
+        b = torch.arange(idx.size(0), device=idx.device)[:, None, None].expand_as(idx)
+        if len(self.l_blocks) == 1:
+            return self.l_blocks[0][b, idx]
+        out = self.l_blocks[0].new_empty(*idx.shape, self.l_blocks[0].size(2))
+        blk, off = idx // self.l_block, idx % self.l_block
+        for i, block in enumerate(self.l_blocks):
+            at = blk == i
+            out[at] = block[b[at], off[at]]
+        return out
 
     def fetch(self, idx):
         """Keys/values to run GCA with picks idx (B, n, K): -> k_mem, v_mem, idx' on idx's
@@ -618,7 +642,7 @@ class DRT(nn.Module):
             idx, w = prev
             if n_done:
                 at_landmarks = to_chunks(x, r, S)[:, :n_done, S - 1]  # (B, n_done, C) this group's input there
-                new_idx, new_w = retrieve(self.ret_norm[g](at_landmarks), memory.landmarks(), done_ids, cfg, self.training)
+                new_idx, new_w = retrieve(self.ret_norm[g](at_landmarks), memory, done_ids, cfg, self.training)
                 idx, w = torch.cat([idx, new_idx], 1)[:, :nC], torch.cat([w, new_w], 1)[:, :nC]  # (B, nC, K)
             mem = None
             if memory.M and c0 + nC > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing to read

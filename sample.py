@@ -95,6 +95,12 @@ def fmt_len(n):
     return str(n)
 
 
+def kv_bytes(memory):
+    """Bytes of chunk keys/values a stream holds (host or device): 2 * S * C elements per chunk."""
+    kv = memory.host_k[0] if memory.host_k else memory.k
+    return 0 if kv is None else memory.M * 2 * kv[0, 0].numel() * kv.element_size()
+
+
 def peak_host_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
@@ -112,7 +118,7 @@ def run_task(model, enc, task, lengths, args, ctx):
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        correct, t0, kv_bytes = 0, time.time(), 0
+        correct, t0, kv = 0, time.time(), 0
         for i in range(args.samples):
             rng = random.Random(f"{args.seed}-{task}-{L}-{i}")  # same prompts for every model and run
             prompt, answer = make_example(task, L, rng, enc, haystack)
@@ -125,13 +131,11 @@ def run_task(model, enc, task, lengths, args, ctx):
                 logits = prefill(model, prompt, state, args.segment, progress)
                 out = greedy(model, logits, state, len(answer) + 2)
             correct += score(task, enc.decode(out), answer, enc)
-            mem = state.memory  # bytes of chunk keys/values stored (host or device): 2 * S * C elements per chunk
-            kv = mem.host_k[0] if mem.host_k else mem.k
-            kv_bytes = 0 if kv is None else mem.M * 2 * kv[0, 0].numel() * kv.element_size()
-            del state
+            kv = kv_bytes(state.memory)
+            del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
         gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        row = (fmt_len(L), args.samples, correct / args.samples, dt, gpu, peak_host_gib(), kv_bytes / 2**30)
+        row = (fmt_len(L), args.samples, correct / args.samples, dt, gpu, peak_host_gib(), kv / 2**30)
         rows.append(row)
         print(f"{row[0]:>8} {row[1]:>7} {row[2]:>8.1%} {row[3]:>9.2f} {row[4]:>8.2f}G {row[5]:>8.2f}G {row[6]:>7.2f}G",
               flush=True)

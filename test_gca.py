@@ -33,7 +33,7 @@ import prepare_pg19  # noqa: E402
 import train  # noqa: E402
 from gca_kernel import flash_gca  # noqa: E402
 from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieve, softmax_off_by_one  # noqa: E402
-from model import topk_earlier, window_attention  # noqa: E402
+from model import ChunkMemory, topk_earlier, window_attention  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -122,8 +122,9 @@ def test_retrieval_weights_use_clean_scores():
     B, M, C = 2, 30, cfg.n_embd
     landmarks, q = torch.randn(B, M, C), torch.randn(B, M, C)
     chunk_ids = torch.arange(M)
-    idx, w = retrieve(q, landmarks, chunk_ids, cfg, training=True)
-    clean_idx, _ = retrieve(q, landmarks, chunk_ids, cfg, training=False)
+    memory = ChunkMemory.of(None, None, landmarks)
+    idx, w = retrieve(q, memory, chunk_ids, cfg, training=True)
+    clean_idx, _ = retrieve(q, memory, chunk_ids, cfg, training=False)
     assert not torch.equal(idx, clean_idx), "Gumbel noise changed no pick"
     b = torch.arange(B)[:, None, None]
     r = (q[:, :, None] * landmarks[b, idx]).sum(-1) / math.sqrt(C)
@@ -138,9 +139,9 @@ def test_topk_blockwise_equals_full():
     torch.manual_seed(5)
     q, landmarks = torch.randn(2, 40, 16), torch.randn(2, 100, 16)
     ids = torch.randint(0, 100, (40,))
-    full = topk_earlier(q, landmarks, ids, 6, block=1000)
+    full = topk_earlier(q, [landmarks], ids, 6)
     for block in (7, 33):
-        got = topk_earlier(q, landmarks, ids, 6, block=block)
+        got = topk_earlier(q, landmarks.split(block, 1), ids, 6)
         assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
     s = (q @ landmarks.transpose(1, 2)).masked_fill(torch.arange(100)[None, None] >= ids[None, :, None], -1e30)
     want = s.topk(6, -1).indices
@@ -335,6 +336,20 @@ def test_segmented_prefill_equals_one_shot(offload):
         state = model.new_state(offload=offload)
         cuts = [0, 5, 6, 27, 40, 41, 90, 150]
         parts = [all_logits(model, idx[:, a:b], state) for a, b in zip(cuts, cuts[1:])]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
+
+
+def test_landmark_blocks(monkeypatch):
+    """Landmarks stored in many small device blocks (as at 16M tokens, in blocks of 65536)
+    give the same decoding as one block: block boundaries are invisible to retrieval."""
+    model = tiny_model(groups=(1, 1)).eval()
+    idx = tokens(model.config, 2, 120, seed=17)
+    with torch.no_grad():
+        full = all_logits(model, idx)
+        monkeypatch.setattr(ChunkMemory, "LM_BLOCK", 3)
+        state = model.new_state()
+        parts = [all_logits(model, idx[:, a:b], state) for a, b in [(0, 50), (50, 51), (51, 120)]]
+    assert len(state.memory.l_blocks) > 4
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
 
 
