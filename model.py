@@ -171,14 +171,14 @@ def gca_reference(q, k_mem, v_mem, idx, w):
     idx (B, C, K) int64 picks in [0, M); w (B, C, K) their weights -> o (B, C, S, H, D)."""
     B, C, S, H, D = q.shape
     b = torch.arange(B, device=q.device)[:, None]  # (B, 1): batch index for gathering by idx
-    q = upcast(q)
+    dtype, q = q.dtype, upcast(q)
     o = torch.zeros_like(q)
     for i in range(idx.size(-1)):  # one pick at a time: memory O(output), not O(K * output)
         k, v = upcast(k_mem[b, idx[..., i]]), upcast(v_mem[b, idx[..., i]])  # (B, C, S, H, D)
         att = torch.einsum("bcshd,bcthd->bchst", q, k) / math.sqrt(D)  # (B, C, H, S, S)
         att = att.softmax(-1)
         o = o + w[..., i, None, None, None] * torch.einsum("bchst,bcthd->bcshd", att, v)
-    return o.to(k_mem.dtype)
+    return o.to(dtype)
 
 
 def gca(q, k_mem, v_mem, idx, w):

@@ -129,8 +129,8 @@ def run_task(model, enc, task, lengths, args, ctx):
                     print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True)
             with ctx:
                 logits = prefill(model, prompt, state, args.segment, progress)
-                out = greedy(model, logits, state, len(answer) + 2)
-            correct += score(task, enc.decode(out), answer, enc)
+                out = greedy(model, logits, state, len(answer))
+            correct += score(out, answer, enc)
             kv = kv_bytes(state.memory)
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
