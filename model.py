@@ -656,7 +656,7 @@ class DRT(nn.Module):
                 layer += 1
             if state is not None and n_done:
                 state.picks[g] = (new_idx[:, -1:], new_w[:, -1:].detach())
-                if memory.offload:  # prefetch the next chunk's picks now, overlapping the layers still to run
+                if memory.offload:  # prefetch: the copy runs while this call finishes; the next S tokens reuse it
                     state.fetched[g] = memory.fetch(state.picks[g][0])[:3]
         return x
 
