@@ -22,8 +22,8 @@ import torch
 import model as drt
 from model import DRT, DRTConfig
 from sample import fmt_len, kv_bytes, parse_lengths, peak_host_gib
+from train import peak_flops
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense tensor-core FLOP/s by device name
 
 
 def sync(dev):
@@ -41,8 +41,7 @@ def reset_peak(dev):
 
 
 def bench_train(args, dev):
-    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    peak = peak_flops(dev)  # train.py's table of dense bf16 peaks by GPU name
     cases = [("DRT x1", dict(groups=(6,)), "triton"), ("DRT x1", dict(groups=(6,)), "torch"),
              ("DRT x2", dict(groups=(3, 3)), "triton"), ("baseline", dict(n_lower=12, groups=()), "-")]
     head = f"{'model':10s} {'GCA':>6s} {'params':>8s} {'B x T':>10s} | {'ms/step':>8s} {'tok/s':>9s} {'MFU':>6s} {'peak mem':>9s}"
