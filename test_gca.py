@@ -908,6 +908,27 @@ def test_resume_conflicting_model(tmp_path):
     assert [it for it, _ in train.main(no_model_keys)] == [2]
 
 
+def test_finetune_from_checkpoint(tmp_path):
+    """init_from=<another run>: that run's weights and architecture, a fresh optimizer and schedule
+    from step 0, at another block_size (the length curriculum of config/passkey_long.py)."""
+    train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--eval_interval=3"))
+    base = load_ckpt(tmp_path / "base")
+    no_model_keys = [a for a in tiny_args(tmp_path, "ft", f"--init_from={tmp_path / 'base'}", "--block_size=70",
+                                          "--max_iters=1", "--eval_interval=1", "--learning_rate=0", "--min_lr=0")
+                     if a.split("=")[0][2:] not in train.MODEL_KEYS]
+    hist = train.main(no_model_keys)
+    assert [it for it, _ in hist] == [1]  # counts from step 0, not from the base run's 3
+    ft = load_ckpt(tmp_path / "ft")
+    assert ft["iter_num"] == 1 and ft["model_args"] == base["model_args"] and ft["config"]["block_size"] == 70
+    for name, t in base["model"].items():  # learning rate 0: the weights are the base run's, untouched
+        assert torch.equal(t, ft["model"][name]), name
+    assert ft["optimizer"]["state"][0]["step"] == 1  # a fresh AdamW, not the base run's (step 3)
+    with pytest.raises(train.ConfigError, match=r"init_from='.*nowhere': no checkpoint there"):
+        train.main(tiny_args(tmp_path, "ft2", f"--init_from={tmp_path / 'nowhere'}"))
+    with pytest.raises(train.ConfigError, match=r"would be overwritten by this run's own checkpoint"):
+        train.main(tiny_args(tmp_path, "base", f"--init_from={tmp_path / 'base'}"))
+
+
 # -----------------------------------------------------------------------------
 # long-context tasks (tasks.py) and sampling (sample.py)
 

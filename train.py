@@ -50,7 +50,7 @@ eval_interval = 1000  # steps between evaluations and checkpoints (146M + AdamW 
 log_interval = 10  # steps between log lines; each line syncs the GPU once and reports the mean loss since the last
 eval_iters = 40  # micro-batches per split per evaluation: 40 x 4 x 16380 = 2.6M tokens, a steady estimate
 always_save_checkpoint = True  # save at every evaluation, not only when val improves: a long run must be resumable
-init_from = "scratch"  # 'scratch', or 'resume' to continue out_dir/ckpt.pt (same command + --init_from=resume)
+init_from = "scratch"  # 'scratch'; 'resume' continues out_dir/ckpt.pt (same command + --init_from=resume); a path to another run's ckpt.pt (or its folder) fine-tunes: its weights and architecture, a fresh optimizer and schedule
 stop_iter = 0  # stop and save after this step without changing the schedule (a long run in pieces); 0 = max_iters
 # data
 dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py)
@@ -181,8 +181,8 @@ def check_config(c):
     for k in ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters"):
         if c[k] < 1:
             bad.append(f"{k}={c[k]} must be a positive int")
-    if c["init_from"] not in ("scratch", "resume"):
-        bad.append(f"init_from={c['init_from']!r} must be 'scratch' or 'resume'")
+    if not isinstance(c["init_from"], str) or not c["init_from"]:
+        bad.append(f"init_from={c['init_from']!r} must be 'scratch', 'resume' or the path of a checkpoint")
     if not 0 <= c["stop_iter"] <= c["max_iters"]:
         bad.append(f"stop_iter={c['stop_iter']} must lie in [0, max_iters={c['max_iters']}]")
     if not 0 <= c["warmup_frac"] < 1:
@@ -302,11 +302,24 @@ def train(c, explicit, device, ddp, rank, world_size, master):
 
     # -- the checkpoint to resume
     ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
-    ckpt = None
+    ckpt, finetune = None, c["init_from"] not in ("scratch", "resume")
+    if finetune:  # another run's weights: a path to its ckpt.pt or to its out_dir
+        src = c["init_from"]
+        src = os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src
+        if not os.path.isfile(src):
+            raise ConfigError(f"init_from={c['init_from']!r}: no checkpoint there (want 'scratch', 'resume', or the "
+                              f"path of a train.py ckpt.pt or its out_dir)")
+        if os.path.abspath(src) == os.path.abspath(ckpt_path):
+            raise ConfigError(f"init_from={src} would be overwritten by this run's own checkpoint: use "
+                              f"--init_from=resume, or another --out_dir")
+        ckpt = torch.load(src, map_location=device)
     if c["init_from"] == "resume":
         if not os.path.isfile(ckpt_path):
             raise ConfigError(f"no checkpoint at {ckpt_path}: use --init_from=scratch (or point --out_dir at the run)")
         ckpt = torch.load(ckpt_path, map_location=device)
+    if ckpt is not None:
+        if "model_args" not in ckpt or "model" not in ckpt:
+            raise ConfigError(f"{c['init_from']}: not a train.py checkpoint (no model_args/model)")
         as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v  # JSON gives groups as a list
         clash = [k for k in MODEL_KEYS if k in explicit and as_tuple(c[k]) != as_tuple(ckpt["model_args"][k])]
         if clash:
@@ -384,8 +397,9 @@ def train(c, explicit, device, ddp, rank, world_size, master):
     iter_num, best_val_loss = 0, float("inf")
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        if not finetune:  # a fine-tune keeps only the weights: its own optimizer, schedule and best loss
+            optimizer.load_state_dict(ckpt["optimizer"])
+            iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         ckpt = None  # free it
     model = torch.compile(raw_model) if c["compile"] else raw_model
     eval_model = model  # evaluation runs on rank 0 alone, so never through DDP
@@ -397,7 +411,7 @@ def train(c, explicit, device, ddp, rank, world_size, master):
     log(f"{arch}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c['batch_size']} seq x {c['block_size']:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c['dataset']} | "
-        + (f"resuming at step {iter_num}" if iter_num else "from scratch"))
+        + (f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c['init_from']}" if finetune else "from scratch"))
 
     @torch.no_grad()
     def estimate_loss():

@@ -28,4 +28,4 @@ topk = 4
 learning_rate = 2e-3
 min_lr = 2e-4
 warmup_frac = 0.05
-max_iters = 1200
+max_iters = 3200
