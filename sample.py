@@ -21,6 +21,7 @@ import sys
 import time
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from model import DRT, DRTConfig
@@ -68,6 +69,16 @@ def prefill(model, ids, state, segment, progress=None):
     return logits
 
 
+def needle_chunk(prompt, answer, T):
+    """The chunk (of T text tokens) where the answer first appears in the prompt, i.e. the chunk
+    retrieval must bring back; None if the answer's tokens never appear as such."""
+    ids, n = np.asarray(prompt), len(answer)
+    for i in np.flatnonzero(ids[: len(ids) - n + 1] == answer[0]):
+        if ids[i : i + n].tolist() == answer:
+            return int(i + n // 2) // T  # a middle token: the chunk that holds most of it
+    return None
+
+
 @torch.no_grad()
 def greedy(model, logits, state, n):
     out = []
@@ -112,13 +123,14 @@ def run_task(model, enc, task, lengths, args, ctx):
     haystack = Haystack(args.haystack, enc) if args.haystack else None
     print(f"\n{task}: {args.samples} samples per length, {'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}")
-    header = f"{'length':>8} {'samples':>7} {'accuracy':>8} {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}"
+    header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'s/sample':>9} {'peak GPU':>9} "
+              f"{'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
-    rows = []
+    rows, T = [], model.config.chunk_size - 1
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        correct, t0, kv = 0, time.time(), 0
+        correct, t0, kv, eligible, found = 0, time.time(), 0, 0, 0
         for i in range(args.samples):
             rng = random.Random(f"{args.seed}-{task}-{L}-{i}")  # same prompts for every model and run
             prompt, answer = make_example(task, L, rng, enc, haystack)
@@ -128,17 +140,28 @@ def run_task(model, enc, task, lengths, args, ctx):
                 def progress(msg, i=i, L=L):
                     print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True)
             with ctx:
-                logits = prefill(model, prompt, state, args.segment, progress)
+                prefill(model, prompt[:-1], state, args.segment, progress)
+                # the picks serving the prompt's last token, which predicts the answer (DecodeState)
+                picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
+                logits = prefill(model, prompt[-1:], state, args.segment)
                 out = greedy(model, logits, state, len(answer))
             correct += score(out, answer, enc)
+            # retrieval diagnosis: was the answer's chunk among the picks, where retrieval could pick it?
+            # (chunk c reads what the landmark of chunk c-1 picked among chunks < c-1)
+            need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
+            if picks and need is not None and need < last - 1:
+                eligible += 1
+                found += any(bool(((idx == need) & (w > 0)).any()) for idx, w in picks)
             kv = kv_bytes(state.memory)
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
         gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        row = (fmt_len(L), args.samples, correct / args.samples, dt, gpu, peak_host_gib(), kv / 2**30)
+        hits = f"{found}/{eligible}" if eligible else "-"
+        row = (fmt_len(L), args.samples, correct / args.samples, hits, dt, gpu, peak_host_gib(), kv / 2**30)
         rows.append(row)
-        print(f"{row[0]:>8} {row[1]:>7} {row[2]:>8.1%} {row[3]:>9.2f} {row[4]:>8.2f}G {row[5]:>8.2f}G {row[6]:>7.2f}G",
-              flush=True)
+        gpu_col = f"{gpu:>8.2f}G" if gpu == gpu else f"{'-':>9}"  # no GPU: nan
+        print(f"{row[0]:>8} {row[1]:>7} {row[2]:>8.1%} {row[3]:>9} {row[4]:>9.2f} {gpu_col} {row[6]:>8.2f}G "
+              f"{row[7]:>7.2f}G", flush=True)
     return rows
 
 

@@ -87,17 +87,19 @@ def _needles_and_question(task, rng):
     raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
 
 
-def make_example(task, length, rng, enc, haystack=None, answer_counts=False):
-    """A prompt of exactly `length` tokens (filler with the needles at random depths, the
-    question at the end) and the answer's tokens; with answer_counts=True, prompt and answer
-    together have `length` tokens. rng: random.Random."""
+def make_example(task, length, rng, enc, haystack=None, answer_counts=False, min_depth=0):
+    """A prompt of exactly `length` tokens (filler with the needles at random depths, none
+    before token min_depth, the question at the end) and the answer's tokens; with
+    answer_counts=True, prompt and answer together have `length` tokens. rng: random.Random."""
     needles, question, answer = _needles_and_question(task, rng)
     needles = [enc.encode_ordinary(t) for t in needles]
     question, answer = enc.encode_ordinary(question), enc.encode_ordinary(answer)
     n_fill = length - len(question) - sum(map(len, needles)) - (len(answer) if answer_counts else 0)
     if n_fill < 0:
         raise ValueError(f"length {length} is too short for a {task} prompt (needs {length - n_fill} tokens)")
-    cuts = sorted(rng.randrange(n_fill + 1) for _ in needles)  # needle depths, in order
+    if min_depth > n_fill:
+        raise ValueError(f"length {length} is too short for a {task} prompt with needles from token {min_depth}")
+    cuts = sorted(rng.randrange(min_depth, n_fill + 1) for _ in needles)  # needle depths, in order
     filler = _filler(n_fill, rng, enc, haystack)
     prompt, last = [], 0
     for cut, needle in zip(cuts, needles):
@@ -107,7 +109,7 @@ def make_example(task, length, rng, enc, haystack=None, answer_counts=False):
     return prompt, answer
 
 
-def get_batch(task, batch_size, seq_len, rng, enc, haystack=None, answer_only=True):
+def get_batch(task, batch_size, seq_len, rng, enc, haystack=None, answer_only=True, min_depth=0):
     """A training batch: x, y (B, seq_len) int64, each row a prompt followed by its answer.
     y holds the next token at every position, or with answer_only=True only at the answer's
     (-1, ignored, elsewhere). A model trained from scratch needs the loss everywhere: the
@@ -116,7 +118,7 @@ def get_batch(task, batch_size, seq_len, rng, enc, haystack=None, answer_only=Tr
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
     y = torch.empty(batch_size, seq_len, dtype=torch.long)
     for b in range(batch_size):
-        prompt, answer = make_example(task, seq_len + 1, rng, enc, haystack, answer_counts=True)
+        prompt, answer = make_example(task, seq_len + 1, rng, enc, haystack, answer_counts=True, min_depth=min_depth)
         row = torch.tensor(prompt + answer)  # seq_len + 1 tokens
         x[b], y[b] = row[:-1], row[1:]
         if answer_only:

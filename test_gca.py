@@ -910,7 +910,7 @@ def test_resume_conflicting_model(tmp_path):
 
 def test_finetune_from_checkpoint(tmp_path):
     """init_from=<another run>: that run's weights and architecture, a fresh optimizer and schedule
-    from step 0, at another block_size (the length curriculum of config/passkey_long.py)."""
+    from step 0, at another block_size (e.g. PG19 weights, then a synthetic task)."""
     train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--eval_interval=3"))
     base = load_ckpt(tmp_path / "base")
     no_model_keys = [a for a in tiny_args(tmp_path, "ft", f"--init_from={tmp_path / 'base'}", "--block_size=70",
@@ -955,12 +955,19 @@ def test_tasks(task, monkeypatch):
         assert torch.equal(y[b, -n:-1], x[b, -n + 1 :])  # teacher forcing: answer token t is input t+1
     with pytest.raises(ValueError, match="too short"):
         tasks.make_example(task, 20, rng, enc)
+    for _ in range(5):  # min_depth: no needle before that token (training keeps the first chunks clear)
+        prompt, answer = tasks.make_example(task, 1000, rng, enc, min_depth=600)
+        assert len(prompt) == 1000 and enc.decode(answer).strip() in enc.decode(prompt[600:])
+        assert not any(enc.decode(prompt[:600]).count(w) for w in ("pass key", "VAR"))
+    with pytest.raises(ValueError, match="needles from token 990"):
+        tasks.make_example(task, 1000, rng, enc, min_depth=990)
 
 
 def tiny_checkpoint(path, **kw):
     """A random GPT-2-vocabulary DRT saved the way train.py saves (model, model_args)."""
     from dataclasses import asdict
-    cfg = DRTConfig(n_embd=32, n_head=4, n_lower=1, groups=(1,), n_enc=1, window=128, topk=2, **kw)
+    kw = {"n_embd": 32, "n_head": 4, "n_lower": 1, "groups": (1,), "n_enc": 1, "window": 128, "topk": 2, **kw}
+    cfg = DRTConfig(**kw)
     torch.manual_seed(0)
     torch.save({"model": DRT(cfg).state_dict(), "model_args": asdict(cfg), "iter_num": 7}, path)
     return str(path)
@@ -976,8 +983,27 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples=2", "--offload",
                  "--segment=100", "--device=cpu"])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d%", line)]
+    rows = [line for line in out.splitlines() if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d%\s+(\d/\d|-)\s", line)]
     assert len(rows) == 4, out  # two lengths x two tasks
+
+
+def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
+    """The 'retrieved' column reads the picks that serve the answer: with topk >= the number of
+    chunks every chunk is picked, so every needle that retrieval could reach counts as found;
+    with topk=1 a random model finds fewer."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    prompt, T = [5, 6, 7, 1, 2, 3, 8, 9, 1, 2, 4], 4
+    assert sample.needle_chunk(prompt, [1, 2, 4], T) == 9 // T and sample.needle_chunk(prompt, [4, 4], T) is None
+    found = {}
+    for k in (64, 1):
+        ckpt = tiny_checkpoint(tmp_path / f"k{k}.pt", topk=k)
+        sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=2K", "--samples=6", "--segment=700", "--device=cpu"])
+        out = capsys.readouterr().out
+        found[k] = re.search(r"^\s+2K\s+6\s+\d+\.\d%\s+(\d+)/(\d+)\s", out, re.M).groups()
+    hit, eligible = map(int, found[64])
+    assert eligible >= 4 and hit == eligible, found  # 2K tokens: 33 chunks, needles mostly far from the end
+    assert int(found[1][0]) < int(found[1][1]), found
 
 
 def test_sample_checkpoint_errors(tmp_path, monkeypatch):

@@ -55,6 +55,7 @@ stop_iter = 0  # stop and save after this step without changing the schedule (a 
 # data
 dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py)
 data_dir = ""  # folder of the prepared dataset; "" = data/<dataset>
+task_min_depth = 0  # synthetic tasks: needles no earlier than this token, so the first chunks (told apart by having no past) never hold one and "retrieve the oldest chunks" cannot pass for retrieval
 task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
 block_size = 16380  # text tokens per sequence: 260 chunks of 63 (DESIGN §2), the paper's 16K training length
@@ -345,7 +346,8 @@ def train(c, explicit, device, ddp, rank, world_size, master):
 
         def get_batch(split, rng, training):  # evaluation scores the answer alone: that is the task
             answer_only = not training or c["task_loss"] == "answer"
-            return tasks.get_batch(c["dataset"], c["batch_size"], c["block_size"], rng, enc, answer_only=answer_only)
+            return tasks.get_batch(c["dataset"], c["batch_size"], c["block_size"], rng, enc, answer_only=answer_only,
+                                   min_depth=c["task_min_depth"])
     else:
         data_dir = c["data_dir"] or os.path.join("data", c["dataset"])
         meta_path = os.path.join(data_dir, "meta.json")
