@@ -848,9 +848,7 @@ def test_ddp_matches_one_process(tmp_path):
 
 
 def test_passkey_task(tmp_path, monkeypatch):
-    ranks = os.path.join(HERE, "..", "shared", "data", "tokenizers", "gpt2.tiktoken")
-    if "DRT_GPT2_RANKS" not in os.environ and os.path.isfile(ranks):
-        monkeypatch.setenv("DRT_GPT2_RANKS", ranks)
+    _tokenizer_or_skip(monkeypatch)
     hist = train.main(["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
                        "--chunk_size=8", "--window=16", "--topk=3", "--block_size=70", "--batch_size=2", "--tokens_per_step=0",
                        "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--log_interval=1", "--device=cpu",
