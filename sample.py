@@ -146,12 +146,13 @@ def run_task(model, enc, task, lengths, args, ctx):
                 logits = prefill(model, prompt[-1:], state, args.segment)
                 out = greedy(model, logits, state, len(answer))
             correct += score(out, answer, enc)
-            # retrieval diagnosis: was the answer's chunk among the picks, where retrieval could pick it?
+            # retrieval diagnosis: was the needle's chunk (or the next one, whose memory saw the needle
+            # through the lower layers' window) among the picks, where retrieval could pick it?
             # (chunk c reads what the landmark of chunk c-1 picked among chunks < c-1)
             need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
             if picks and need is not None and need < last - 1:
                 eligible += 1
-                found += any(bool(((idx == need) & (w > 0)).any()) for idx, w in picks)
+                found += any(bool((((idx == need) | (idx == need + 1)) & (w > 0)).any()) for idx, w in picks)
             kv = kv_bytes(state.memory)
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
