@@ -5,7 +5,8 @@
 # key's chunk often enough to learn from it (at 32-65 chunks it did not learn in 3000 steps).
 # Known weak (README, Results): the answer loss drops in 2 runs of 3, and the retriever learns
 # the shortcut "pick the oldest chunks", so accuracy falls with length (90% at 504, 10% at 16K).
-# Untested remedy: --task_min_depth=256 with block_size=1008. Test at 1000x the length and more:
+# Untested on a GPU: prompts twice the reach of the windows (toy_retrieval.py), e.g. --window=128
+# --block_size=1008 --batch_size=64 --task_min_depth=256. Test at 1000x the length and more:
 #   python train.py config/passkey.py
 #   python sample.py --out_dir=out-passkey --passkey --lengths=2K,16K,128K,1M,4M,16M --offload
 out_dir = "out-passkey"
