@@ -855,6 +855,11 @@ def test_passkey_task(tmp_path, monkeypatch):
                        f"--out_dir={tmp_path / 'out'}"])
     assert [it for it, _ in hist] == [1, 2] and all(np.isfinite(loss) for _, loss in hist)
     assert load_ckpt(tmp_path / "out")["model_args"]["vocab_size"] == 50304  # GPT-2's vocabulary
+    with pytest.raises(train.ConfigError, match=r"needles from token 490: raise --block_size or lower --task_min_depth"):
+        train.main(["--dataset=passkey", "--block_size=504", "--task_min_depth=490", "--device=cpu",
+                    f"--out_dir={tmp_path / 'x'}"])
+    with pytest.raises(train.ConfigError, match=r"task_min_depth=-1 must be >= 0"):
+        train.main(["--task_min_depth=-1"])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -184,6 +184,8 @@ def check_config(c):
             bad.append(f"{k}={c[k]} must be a positive int")
     if not isinstance(c["init_from"], str) or not c["init_from"]:
         bad.append(f"init_from={c['init_from']!r} must be 'scratch', 'resume' or the path of a checkpoint")
+    if c["task_min_depth"] < 0:
+        bad.append(f"task_min_depth={c['task_min_depth']} must be >= 0")
     if not 0 <= c["stop_iter"] <= c["max_iters"]:
         bad.append(f"stop_iter={c['stop_iter']} must lie in [0, max_iters={c['max_iters']}]")
     if not 0 <= c["warmup_frac"] < 1:
@@ -343,6 +345,12 @@ def train(c, explicit, device, ddp, rank, world_size, master):
     if c["dataset"] in tasks.TASKS:
         enc = get_tokenizer()
         data_vocab = GPT2_VOCAB  # the tasks' text is GPT-2 tokens
+        try:  # the longest needles and question must fit after task_min_depth
+            for i in range(8):
+                tasks.make_example(c["dataset"], c["block_size"] + 1, random.Random(i), enc, answer_counts=True,
+                                   min_depth=c["task_min_depth"])
+        except ValueError as e:
+            raise ConfigError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
         def get_batch(split, rng, training):  # evaluation scores the answer alone: that is the task
             answer_only = not training or c["task_loss"] == "answer"
