@@ -182,7 +182,7 @@ def check_config(c):
     for k in ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters"):
         if c[k] < 1:
             bad.append(f"{k}={c[k]} must be a positive int")
-    if not isinstance(c["init_from"], str) or not c["init_from"]:
+    if not c["init_from"]:  # a str already (parse_config checks types)
         bad.append(f"init_from={c['init_from']!r} must be 'scratch', 'resume' or the path of a checkpoint")
     if c["task_min_depth"] < 0:
         bad.append(f"task_min_depth={c['task_min_depth']} must be >= 0")
