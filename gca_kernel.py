@@ -1,5 +1,5 @@
 """
-FlashGCA: Grouped Cross-Attention (DESIGN §3.6, §4) as fused Triton kernels,
+FlashGCA: Grouped Cross-Attention (Eq. 2; §3.1 and Appendix B of the paper) as fused Triton kernels,
 forward and backward, reading the retrieved chunks straight from the memory.
 
     o[b, c] = sum_i w[b, c, i] * softmax(q[b, c] @ k_mem[b, m_i]^T / sqrt(D)) @ v_mem[b, m_i]
@@ -92,7 +92,8 @@ def _gca_fwd_kernel(
     sk_b, sk_m, sk_s, sk_h,  # k_mem (B, M, S, H, D)
     sv_b, sv_m, sv_s, sv_h,  # v_mem (B, M, S, H, D)
     so_b, so_c, so_s, so_h,  # o (B, C, S, H, D)
-    C, H, NK, qk_scale,
+    C, H, NK,
+    qk_scale: tl.constexpr,  # 1/sqrt(D) * 1/ln 2; constexpr: a Python float argument would be fp64 under Inductor
     S: tl.constexpr, D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(S >= 16 and D >= 16, "tl.dot needs tiles of at least 16 x 16")
@@ -134,7 +135,7 @@ def _gca_bwd_dq_kernel(
     sk_b, sk_m, sk_s, sk_h,  # k_mem
     sv_b, sv_m, sv_s, sv_h,  # v_mem
     so_b, so_c, so_s, so_h,  # do and dq (both contiguous (B, C, S, H, D))
-    C, H, NK, qk_scale, sm_scale,
+    C, H, NK, qk_scale: tl.constexpr, sm_scale: tl.constexpr,
     S: tl.constexpr, D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_c, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -178,7 +179,7 @@ def _gca_bwd_dkdv_kernel(
     sv_b, sv_m, sv_s, sv_h,  # v_mem
     so_b, so_c, so_s, so_h,  # do (contiguous (B, C, S, H, D))
     sd_b, sd_m, sd_s, sd_h,  # dk and dv (both contiguous (B, M, S, H, D))
-    C, M, H, NK, qk_scale, sm_scale,
+    C, M, H, NK, qk_scale: tl.constexpr, sm_scale: tl.constexpr,
     S: tl.constexpr, D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # heads vary fastest, so all heads of the busiest memory chunk start first
@@ -246,69 +247,107 @@ def _invert_selection(idx, w, M):
     Returns order (B*M,) the chunks by decreasing pick count, offsets (B*M+1,)
     and pairs (P,) the flat pick indices (b * C + c) * K + i grouped by chunk
     (pairs[offsets[r]:offsets[r+1]] picked chunk r). Picks with w == 0 are
-    dropped: their dk/dv contribution is exactly zero."""
+    dropped: their dk/dv contribution is exactly zero. No host sync (bincount
+    would read the max back to size its output; the size is known: B*M+1)."""
     B = idx.shape[0]
     key = idx + M * torch.arange(B, device=idx.device)[:, None, None]  # (B, C, K)
     key = key.masked_fill(w == 0, B * M).flatten()  # dropped picks go to a bucket past the end
     pairs = torch.argsort(key, stable=True)  # (B*C*K,)
-    counts = torch.bincount(key, minlength=B * M + 1)[: B * M]  # (B*M,)
+    counts = torch.zeros(B * M + 1, dtype=torch.long, device=idx.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[: B * M]  # (B*M,)
     offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))  # (B*M+1,)
     order = torch.argsort(counts, descending=True, stable=True)  # longest first
     return order, offsets, pairs
 
 
-class _FlashGCA(torch.autograd.Function):
+# The kernels as two custom ops, forward and backward, so that torch.compile treats FlashGCA
+# as one opaque op (it never traces into the launches) and autograd pairs them.
 
-    @staticmethod
-    def forward(ctx, q, k_mem, v_mem, idx, w):
-        B, C, S, H, D = q.shape
-        NK = idx.shape[-1]
-        o = _new((B, C, S, H, D), q.dtype, q.device)
-        lse = _new((B, C, H, NK, S), torch.float32, q.device)  # log2 units
-        if o.numel() > 0:
-            _gca_fwd_kernel[(C, B * H)](
-                q, k_mem, v_mem, idx, w, o, lse,
-                *_strides(q), *_strides(k_mem), *_strides(v_mem), *_strides(o),
-                C, H, NK, D ** -0.5 * LOG2E,
-                S=S, D=D, DOT_PRECISION=_dot_precision(q.dtype), **_launch(FWD_CONFIG, q),
-            )
-        ctx.save_for_backward(q, k_mem, v_mem, idx, w, lse)
-        return o
+@torch.library.custom_op("drt::flash_gca_fwd", mutates_args=())
+def _gca_fwd(q: torch.Tensor, k_mem: torch.Tensor, v_mem: torch.Tensor, idx: torch.Tensor,
+             w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, C, S, H, D = q.shape
+    NK = idx.shape[-1]
+    o = _new((B, C, S, H, D), q.dtype, q.device)
+    lse = _new((B, C, H, NK, S), torch.float32, q.device)  # log2 units
+    if o.numel() > 0:
+        _gca_fwd_kernel[(C, B * H)](
+            q, k_mem, v_mem, idx, w, o, lse,
+            *_strides(q), *_strides(k_mem), *_strides(v_mem), *_strides(o),
+            C, H, NK, D ** -0.5 * LOG2E,
+            S=S, D=D, DOT_PRECISION=_dot_precision(q.dtype), **_launch(FWD_CONFIG, q),
+        )
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k_mem, v_mem, idx, w, lse = ctx.saved_tensors
-        B, C, S, H, D = q.shape
-        M, NK = k_mem.shape[1], idx.shape[-1]
-        do = do.to(q.dtype).contiguous()  # (B, C, S, H, D)
-        sm_scale = D ** -0.5
-        args = dict(S=S, D=D, DOT_PRECISION=_dot_precision(q.dtype))
-        need_q, need_k, need_v, _, need_w = ctx.needs_input_grad
-        # 1. dq, dw and delta_i = rowsum(dO * O_i), which the dk/dv kernel reads like lse
-        dq = _new((B, C, S, H, D), q.dtype, q.device)
-        dw_part = _new((B, C, H, NK), torch.float32, q.device)  # per-head partials
-        delta = _new((B, C, H, NK, S), torch.float32, q.device)
-        if dq.numel() > 0:
-            _gca_bwd_dq_kernel[(C, B * H)](
-                q, k_mem, v_mem, idx, w, do, lse, delta, dq, dw_part,
-                *_strides(q), *_strides(k_mem), *_strides(v_mem), *_strides(do),
-                C, H, NK, sm_scale * LOG2E, sm_scale, **args, **_launch(DQ_CONFIG, q),
-            )
-        dw = dw_part.sum(2).to(w.dtype)  # (B, C, K): sum over heads
-        # 2. dk, dv over the inverted selection
-        dk = dv = None
-        if need_k or need_v:
-            dk = _new(k_mem.shape, k_mem.dtype, k_mem.device)
-            dv = _new(v_mem.shape, v_mem.dtype, v_mem.device)
-            if dk.numel() > 0:
-                order, offsets, pairs = _invert_selection(idx, w, M)
-                _gca_bwd_dkdv_kernel[(B * M * H,)](
-                    q, k_mem, v_mem, w, do, lse, delta, dk, dv, order, offsets, pairs,
-                    *_strides(q), *_strides(k_mem), *_strides(v_mem), *_strides(do),
-                    *_strides(dk), C, M, H, NK, sm_scale * LOG2E, sm_scale,
-                    **args, **_launch(DKDV_CONFIG, q),
-                )
-        return dq if need_q else None, dk, dv, None, dw if need_w else None
+
+@_gca_fwd.register_fake
+def _(q, k_mem, v_mem, idx, w):
+    B, C, S, H, D = q.shape
+    return q.new_empty(B, C, S, H, D), q.new_empty(B, C, H, idx.shape[-1], S, dtype=torch.float32)
+
+
+@torch.library.custom_op("drt::flash_gca_bwd", mutates_args=())
+def _gca_bwd(do: torch.Tensor, q: torch.Tensor, k_mem: torch.Tensor, v_mem: torch.Tensor, idx: torch.Tensor,
+             w: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, C, S, H, D = q.shape
+    M, NK = k_mem.shape[1], idx.shape[-1]
+    do = do.to(q.dtype).contiguous()  # (B, C, S, H, D)
+    sm_scale = D ** -0.5
+    args = dict(S=S, D=D, DOT_PRECISION=_dot_precision(q.dtype))
+    # 1. dq, dw and delta_i = rowsum(dO * O_i), which the dk/dv kernel reads like lse
+    dq = _new((B, C, S, H, D), q.dtype, q.device)
+    dw_part = _new((B, C, H, NK), torch.float32, q.device)  # per-head partials
+    delta = _new((B, C, H, NK, S), torch.float32, q.device)
+    if dq.numel() > 0:
+        _gca_bwd_dq_kernel[(C, B * H)](
+            q, k_mem, v_mem, idx, w, do, lse, delta, dq, dw_part,
+            *_strides(q), *_strides(k_mem), *_strides(v_mem), *_strides(do),
+            C, H, NK, sm_scale * LOG2E, sm_scale, **args, **_launch(DQ_CONFIG, q),
+        )
+    dw = dw_part.sum(2).to(w.dtype)  # (B, C, K): sum over heads
+    # 2. dk, dv over the inverted selection
+    dk = _new(k_mem.shape, k_mem.dtype, k_mem.device)
+    dv = _new(v_mem.shape, v_mem.dtype, v_mem.device)
+    if dk.numel() > 0:
+        order, offsets, pairs = _invert_selection(idx, w, M)
+        _gca_bwd_dkdv_kernel[(B * M * H,)](
+            q, k_mem, v_mem, w, do, lse, delta, dk, dv, order, offsets, pairs,
+            *_strides(q), *_strides(k_mem), *_strides(v_mem), *_strides(do),
+            *_strides(dk), C, M, H, NK, sm_scale * LOG2E, sm_scale,
+            **args, **_launch(DKDV_CONFIG, q),
+        )
+    return dq, dk, dv, dw
+
+
+@_gca_bwd.register_fake
+def _(do, q, k_mem, v_mem, idx, w, lse):
+    return (q.new_empty(q.shape), k_mem.new_empty(k_mem.shape), v_mem.new_empty(v_mem.shape),
+            w.new_empty(w.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k_mem, v_mem, idx, w = inputs
+    ctx.save_for_backward(q, k_mem, v_mem, idx, w, output[1])  # output[1]: lse; o is not kept
+
+
+def _backward(ctx, do, _dlse):
+    dq, dk, dv, dw = _gca_bwd(do, *ctx.saved_tensors)
+    return dq, dk, dv, None, dw
+
+
+_gca_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+TILE_SIZES = (16, 32, 64, 128)  # chunk sizes S and head widths D the kernels are built for
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP32_TILE_LIMIT = 64 * 128  # S * D: larger fp32 tile sets overflow shared memory
+
+
+def kernel_fits(S, D, dtype):
+    """Whether the kernels take chunks of S positions, heads of width D and this dtype
+    (model.py runs the PyTorch reference of GCA for anything else)."""
+    return (S in TILE_SIZES and D in TILE_SIZES and dtype in DTYPES
+            and not (dtype == torch.float32 and S * D > FP32_TILE_LIMIT))
 
 
 def _check_inputs(q, k_mem, v_mem, idx, w, check_idx=True):
@@ -330,7 +369,7 @@ def _check_inputs(q, k_mem, v_mem, idx, w, check_idx=True):
                          f"with K >= 1, to match q {tuple(q.shape)}")
     if w.shape != idx.shape:
         raise ValueError(f"flash_gca: w {tuple(w.shape)} must have the shape of idx {tuple(idx.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if q.dtype not in DTYPES:
         raise TypeError(f"flash_gca: q must be fp16, bf16 or fp32, got {q.dtype}")
     if k_mem.dtype != q.dtype or v_mem.dtype != q.dtype:
         raise TypeError(f"flash_gca: q, k_mem, v_mem must share one dtype, got {q.dtype}, "
@@ -339,11 +378,11 @@ def _check_inputs(q, k_mem, v_mem, idx, w, check_idx=True):
         raise TypeError(f"flash_gca: idx must be an integer tensor (int64), got {idx.dtype}")
     if not w.dtype.is_floating_point:
         raise TypeError(f"flash_gca: w must be a float tensor, got {w.dtype}")
-    if D not in (16, 32, 64, 128):
+    if D not in TILE_SIZES:
         raise ValueError(f"flash_gca: head dim D={D} is not supported: use 16, 32, 64 or 128")
-    if S not in (16, 32, 64, 128):
+    if S not in TILE_SIZES:
         raise ValueError(f"flash_gca: chunk size S={S} is not supported: use a power of 2 in [16, 128]")
-    if q.dtype == torch.float32 and S * D > 64 * 128:
+    if q.dtype == torch.float32 and S * D > FP32_TILE_LIMIT:
         raise ValueError(f"flash_gca: fp32 tiles of S x D = {S} x {D} do not fit in shared memory: "
                          "use bf16/fp16, or S * D <= 8192 in fp32")
     devices = {x.device for x in (q, k_mem, v_mem, idx, w)}
@@ -374,4 +413,5 @@ def flash_gca(q, k_mem, v_mem, idx, w, *, check_idx=True):
     _check_inputs(q, k_mem, v_mem, idx, w, check_idx)
     q, k_mem, v_mem = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_mem, v_mem))
     idx = idx.to(torch.int64).contiguous()
-    return _FlashGCA.apply(q, k_mem, v_mem, idx, w.contiguous())
+    o, _ = _gca_fwd(q, k_mem, v_mem, idx, w.contiguous())
+    return o

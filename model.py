@@ -28,6 +28,7 @@ stream, optionally continuing a DecodeState.
     python model.py                          # parameter counts of the default configs
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -36,6 +37,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # torch < 2.5: blocked SDPA everywhere
+    flex_attention = None
+
 # -----------------------------------------------------------------------------
 # Config
 
@@ -43,7 +49,7 @@ import torch.nn.functional as F
 @dataclass
 class DRTConfig:
     vocab_size: int = 50304      # GPT-2's 50257 ids + 1 landmark id, padded to a multiple of 64 (fast matmuls)
-    landmark_id: int = 50257     # the token inserted after every chunk_size-1 text tokens; never valid as input
+    landmark_id: int = None      # the token inserted after every chunk_size-1 text tokens, never valid as input; None: 50257 (right after GPT-2's ids) if the vocabulary has room, else vocab_size - 1
     n_embd: int = 768            # model width d
     n_head: int = 12             # attention heads; head width n_embd // n_head
     n_lower: int = 6             # lower decoder layers: sliding-window self-attention + SwiGLU
@@ -58,6 +64,8 @@ class DRTConfig:
 
     def __post_init__(self):
         self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
+        if self.landmark_id is None:
+            self.landmark_id = min(50257, self.vocab_size - 1)
         S, W = self.chunk_size, self.window
         bad = []
         if self.n_embd % self.n_head:
@@ -121,7 +129,10 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
 def window_attention(q, k, v, pos0, window, slopes, ring=None):
     """q, k, v: (B, H, L, D) for positions pos0 .. pos0+L-1 of a stream. ring: the layer's
     KVRing holding the W positions before pos0 (decoding / segmented prefill), or None.
-    Returns (B, H, L, D)."""
+    Returns (B, H, L, D). A whole sequence on a GPU goes through FlexAttention, which skips
+    the masked blocks; everything else (CPU, the ring) through blocked SDPA below."""
+    if ring is None and q.is_cuda and flex_attention is not None:
+        return flex_window_attention(q, k, v, window, slopes, compiled=True)
     B, H, L, D = q.shape
     W = window
     dev = q.device
@@ -148,6 +159,49 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
     yb = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.to(q.dtype))  # (B*nb, H, W, D)
     yb = yb.unflatten(0, (B, nb)).transpose(1, 2).flatten(2, 3)[:, :, : L - W]  # (B, H, L-W, D)
     return torch.cat([y, yb], 2)
+
+
+# The same window through FlexAttention (a whole sequence, no ring): a block mask built from
+# the band's structure, so only the blocks the window touches are computed, and ALiBi as a
+# score_mod. Query and key indices are positions in the sequence: their difference is exact.
+
+FLEX_BLOCK = 128  # FlexAttention's tile size; the band is made of these blocks
+
+
+def window_block_mask(L, W, device, block=FLEX_BLOCK):
+    """The causal window 0 <= i - j < W over L positions as a BlockMask, from the band's shape
+    (never an L x L mask): query block i meets key blocks i - t, for t = 0 .. n. Blocks t = 1 ..
+    f lie wholly inside the window ('full': no mask to apply); t = 0 (the causal edge) and t =
+    f+1 .. n (the window's far edge) are partial."""
+    f = max(0, (W - block) // block)  # t * block + block - 1 < W: every pair inside the window
+    n = (W + block - 2) // block  # t * block - block + 1 <= W - 1: some pair inside
+    nq = -(-L // block)
+    i = torch.arange(nq, device=device, dtype=torch.int32)[:, None]  # (nq, 1) query blocks
+
+    def blocks(t):  # key blocks i - t, the valid ones (>= 0) first: t ascends, so they are
+        j = i - torch.tensor(t, device=device, dtype=torch.int32)  # (nq, len(t))
+        j = F.pad(j, (0, nq - len(t)), value=-1) if len(t) < nq else j[:, :nq]  # BlockMask wants (nq, nq)
+        return (j >= 0).sum(1, dtype=torch.int32)[None, None], j.clamp(min=0)[None, None]
+
+    def visible(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < W)
+
+    partial = blocks([0] + list(range(f + 1, n + 1)))
+    full = blocks(list(range(1, f + 1))) if f else (None, None)
+    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=visible, seq_lengths=(L, L))
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)  # uncompiled, FlexAttention is a dense reference
+
+
+def flex_window_attention(q, k, v, window, slopes, compiled=False, block=FLEX_BLOCK):
+    """window_attention for a whole sequence (no ring) through FlexAttention. q, k, v: (B, H, L, D)."""
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+    attend = _compiled_flex() if compiled else flex_attention
+    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, block))
 
 
 # -----------------------------------------------------------------------------
@@ -181,17 +235,27 @@ def gca_reference(q, k_mem, v_mem, idx, w):
     return o.to(dtype)
 
 
+@functools.cache
+def _kernel():
+    """gca_kernel's (flash_gca, kernel_fits), or None without Triton. Imported on first use:
+    tests set TRITON_INTERPRET before Triton is imported."""
+    try:
+        from gca_kernel import flash_gca, kernel_fits
+    except ImportError:
+        return None
+    return flash_gca, kernel_fits
+
+
 def gca(q, k_mem, v_mem, idx, w):
-    """GCA through the fused Triton kernel where it applies, else the PyTorch reference."""
-    use_kernel = GCA_IMPL == "triton" or (GCA_IMPL == "auto" and q.is_cuda)
-    if use_kernel:
-        try:
-            from gca_kernel import flash_gca
-        except ImportError:  # no Triton: the reference computes the same function
-            if GCA_IMPL == "triton":
-                raise
-        else:
-            return flash_gca(q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
+    """GCA through the fused Triton kernel where it applies (CUDA, a tile it is built for),
+    else the PyTorch reference: the same function either way."""
+    kernel = _kernel() if GCA_IMPL != "torch" else None
+    if GCA_IMPL == "triton" and kernel is None:
+        raise ImportError("DRT_GCA=triton but gca_kernel (Triton) cannot be imported")
+    S, D = q.shape[2], q.shape[4]
+    fits = q.is_cuda and k_mem.dtype == v_mem.dtype == q.dtype and kernel is not None and kernel[1](S, D, q.dtype)
+    if kernel and (GCA_IMPL == "triton" or fits):
+        return kernel[0](q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
     return gca_reference(q, k_mem, v_mem, idx, w)
 
 
@@ -216,13 +280,18 @@ def topk_earlier(q, blocks, chunk_ids, k, noise=False):
     """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
     blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
     (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
-    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training)."""
+    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training).
+    Scores are fp32 whatever the autocast: in bf16 (8 bits of mantissa) near-ties among a
+    million chunks would be decided by rounding, and a stream decoded token by token would
+    pick other chunks than the same stream run in one forward."""
     B, n, C = q.shape
-    best_s = upcast(q.new_full((B, n, k), float("-inf")))
+    q = upcast(q)
+    best_s = q.new_full((B, n, k), float("-inf"))
     best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
     m0 = 0
     for lm in blocks:  # (B, mb, C)
-        s = upcast(q @ lm.transpose(1, 2)) / math.sqrt(C)  # (B, n, mb)
+        with torch.autocast(q.device.type, enabled=False):  # fp32 even under bf16 autocast: see below
+            s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, mb)
         if noise:
             s = s - torch.empty_like(s).exponential_().log()  # -log(Exp(1)) ~ Gumbel(0, 1)
         j = m0 + torch.arange(lm.size(1), device=q.device)
@@ -242,13 +311,50 @@ def retrieve(q, memory, chunk_ids, cfg, training):
     scores, through which the retriever gets its gradient. -> idx (B, n, K) int64, w (B, n, K)."""
     noise = training and cfg.gumbel
     idx, eligible = topk_earlier(q, memory.landmark_blocks(), chunk_ids, cfg.topk, noise)
-    r = upcast((q.unsqueeze(2) * memory.landmarks_at(idx)).sum(-1)) / math.sqrt(q.size(-1))  # (B, n, K) r = q.l/sqrt(d)
+    r = (upcast(q).unsqueeze(2) * upcast(memory.landmarks_at(idx))).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) r = q.l/sqrt(d), fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return idx, w
 
 
 # -----------------------------------------------------------------------------
 # Layers
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), computed chunk
+    of rows by chunk: x (N, C), weight (V, C), targets (N,) -> a scalar. The (N, V) logits are
+    never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
+    three times that with their fp32 softmax and gradient). The forward takes each chunk's
+    gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
+    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32."""
+
+    ROWS = 4096  # rows per chunk: 4096 x 50,304 fp32 logits = 0.8 GB at a time
+
+    @staticmethod
+    def forward(ctx, x, weight, targets):
+        acc = torch.promote_types(weight.dtype, torch.float32)  # fp32, or fp64 in the tests
+        n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
+        loss = x.new_zeros((), dtype=acc)
+        dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=acc)
+        for s in range(0, x.size(0), LinearCrossEntropy.ROWS):
+            xs, ts = x[s : s + LinearCrossEntropy.ROWS], targets[s : s + LinearCrossEntropy.ROWS]
+            logits = (xs @ weight.t()).to(acc)  # (rows, V)
+            valid = (ts != -1).to(acc)[:, None]  # (rows, 1)
+            ts = ts.clamp(min=0)[:, None]
+            lse = logits.logsumexp(-1, keepdim=True)
+            loss += ((lse - logits.gather(1, ts)) * valid).sum()
+            g = (logits - lse).exp_().scatter_add_(1, ts, -valid).mul_(valid)  # d loss_sum / d logits
+            dx[s : s + LinearCrossEntropy.ROWS] = g @ weight
+            dw += g.t() @ xs
+        ctx.save_for_backward(dx, dw, n)
+        ctx.weight_dtype = weight.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw, n = ctx.saved_tensors
+        scale = grad / n
+        return dx * scale.to(dx.dtype), (dw * scale).to(ctx.weight_dtype), None
 
 
 class RMSNorm(nn.Module):
@@ -353,7 +459,7 @@ def from_chunks(x, r, L):
 
 
 class ChunkEncoder(nn.Module):
-    """Bidirectional encoder of finished chunks (DESIGN §3.3). Input: last lower layer's
+    """Bidirectional encoder of finished chunks (§3.1 of the paper). Input: last lower layer's
     states, RMSNorm'd, cut into chunks of S. Output per chunk: the landmark vector l (the
     landmark slot's state) and per-token memory keys/values from ONE pair of projections
     shared by every upper layer and group. The landmark slot's key and value are zero: a
@@ -403,7 +509,7 @@ class KVRing:
             self.pos = torch.full((W,), self.EMPTY, dtype=torch.long, device=k.device)
         n = min(W, k.size(2))
         slots = pos[-n:] % W
-        self.k[:, :, slots], self.v[:, :, slots], self.pos[slots] = k[:, :, -n:], v[:, :, -n:], pos[-n:]
+        self.k[:, :, slots], self.v[:, :, slots], self.pos[slots] = k[:, :, -n:].detach(), v[:, :, -n:].detach(), pos[-n:]
 
 
 class ChunkMemory:
@@ -434,6 +540,7 @@ class ChunkMemory:
         return buf
 
     def append(self, k, v, l):  # k, v (B, n, S, H, D); l (B, n, C)
+        k, v, l = k.detach(), v.detach(), l.detach()  # a stream's memory holds no autograd graph
         j = 0
         while j < l.size(1):
             blk, off = divmod(self.M + j, self.l_block)
@@ -503,8 +610,10 @@ class ChunkMemory:
 
 
 class DecodeState:
-    """A stream in progress (DESIGN §5). Create with DRT.new_state; pass to every forward
-    of the stream. Prompts in one batch share their length."""
+    """A stream in progress (§3.4 of the paper, inference). Create with DRT.new_state; pass to
+    every forward of the stream. Prompts in one batch share their length. An inference object:
+    it stores detached tensors, so no autograd graph outlives a call and memory stays
+    O(W + chunks) however long the stream runs with gradients enabled."""
 
     def __init__(self, cfg, offload=False, start_pos=0):
         self.n = 0  # positions processed so far, landmarks included; chunk c holds n in [cS, cS+S)
@@ -546,12 +655,12 @@ class DRT(nn.Module):
 
     def new_state(self, batch_size=None, offload=False, start_pos=0):
         """A fresh stream for incremental decoding / segmented prefill. offload=True keeps
-        the chunk keys/values in host memory (DESIGN §5). batch_size is implied by the first
+        the chunk keys/values in host memory (§3.2 of the paper). batch_size is implied by the first
         forward; the argument is accepted for readability."""
         return DecodeState(self.config, offload, start_pos)
 
     def layout(self, idx, n0):
-        """Insert landmarks (DESIGN §3.1). idx (B, T) text ids continuing a stream that has
+        """Insert landmarks (§3.1 of the paper). idx (B, T) text ids continuing a stream that has
         n0 positions -> ids (B, L) of positions, landmark after every S-1 text tokens (eagerly:
         a chunk whose last text token arrives is finished in the same call), and r = n0 % S."""
         S, (B, T) = self.config.chunk_size, idx.shape
@@ -605,11 +714,10 @@ class DRT(nn.Module):
             state.n = n0 + L
         if targets is None:
             return self.lm_head(x[:, -1:]), None
-        if not return_logits:  # e.g. the passkey task targets 3 tokens of thousands: skip the rest
-            keep = targets.flatten() != -1
-            return None, F.cross_entropy(self.lm_head(x.flatten(0, 1)[keep]).float(), targets.flatten()[keep])
+        if not return_logits:  # training: the loss without ever holding all (B, T, vocab) logits
+            return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        loss = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
 
     def remember_and_retrieve(self, x, r, n0, pos0, state, rings):
@@ -626,7 +734,8 @@ class DRT(nn.Module):
         if state is None:
             memory = ChunkMemory.of(*kvl) if n_done else ChunkMemory(offload=False)
         else:
-            memory, state.chunk_buf = state.memory, buf[:, n_done * S :]
+            # a copy: a view would keep the whole segment (and its graph) alive until the chunk completes
+            memory, state.chunk_buf = state.memory, buf[:, n_done * S :].detach().clone()
             if n_done:
                 memory.append(*kvl)
 
@@ -686,7 +795,7 @@ class DRT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
         """Continue idx (B, T) by max_new_tokens, one token per step, with O(W) self-attention
-        caches and the chunk memory (DESIGN §5). The prompt is prefilled in segments of
+        caches and the chunk memory (§3.2 of the paper). The prompt is prefilled in segments of
         prefill_segment tokens. Returns (B, max_new_tokens) new ids."""
         state = state if state is not None else self.new_state(idx.size(0))
         for s in range(0, idx.size(1), prefill_segment):

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton (gca_kernel)
@@ -250,6 +251,50 @@ def test_window_attention_matches_dense(L, W, ring):
         torch.testing.assert_close(got, dense)
 
 
+def block_classes(L, W, block):
+    """(nq, nq) ideal FlexAttention classes of the window's blocks: 0 none, 1 partial, 2 full."""
+    pos = torch.arange(L)
+    d = pos[:, None] - pos[None, :]
+    vis = ((d >= 0) & (d < W)).float()
+    nq = -(-L // block)
+    vis = F.pad(vis, (0, nq * block - L, 0, nq * block - L), value=-1)  # -1: outside the sequence
+    tiles = vis.view(nq, block, nq, block).transpose(1, 2).flatten(2)  # (nq, nq, block^2)
+    some, inside = (tiles == 1).any(-1), tiles >= 0
+    every = ((tiles == 1) | ~inside).all(-1)
+    return some.long() + (some & every).long()
+
+
+@pytest.mark.parametrize("L,W,block", [(100, 16, 16), (100, 24, 16), (130, 48, 16), (77, 8, 16), (300, 64, 128),
+                                       (200, 256, 128), (513, 128, 128), (700, 512, 128), (1000, 200, 64)])
+def test_flex_window_attention(L, W, block):
+    """The FlexAttention path of window attention: its block mask is exactly the window's
+    (full blocks skip the mask on a GPU, so a wrongly 'full' block would leak), and its output
+    equals the blocked-SDPA path and a dense reference (FlexAttention runs unfused on a CPU)."""
+    import warnings
+    from model import flex_window_attention, window_block_mask
+    bm = window_block_mask(L, W, "cpu", block)
+    nq = -(-L // block)
+    got = torch.zeros(nq, nq, dtype=torch.long)
+    for n, j, cls in [(bm.kv_num_blocks, bm.kv_indices, 1), (bm.full_kv_num_blocks, bm.full_kv_indices, 2)]:
+        if n is not None:
+            for i in range(nq):
+                got[i, j[0, 0, i, : n[0, 0, i]]] = cls
+    want = block_classes(L, W, block)
+    assert torch.equal(got > 0, want > 0) and not (got == 2)[want != 2].any()  # every block needed, none wrongly full
+    assert torch.equal(got[:-1], want[:-1])  # and all full blocks skip the mask (the ragged last row may not)
+    torch.manual_seed(L + W)
+    B, H, D = 2, 4, 8
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    slopes = alibi_slopes(H)
+    pos = torch.arange(L)
+    dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + alibi_bias(pos, pos, slopes, W), -1) @ v
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        flex = flex_window_attention(q, k, v, W, slopes, block=block)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(window_attention(q, k, v, 0, W, slopes), dense, rtol=1e-5, atol=1e-5)
+
+
 def test_default_config_is_146M():
     """DESIGN §2 defaults build the paper's 146M DRT; groups=() is the baseline of the same depth."""
     n = DRT(DRTConfig()).num_params()
@@ -323,6 +368,69 @@ def test_incremental_equals_full(groups):
         steps = [model(idx[:, t : t + 1], state=state)[0] for t in range(idx.size(1))]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
     assert state.rings[0].k.size(2) == model.config.window  # the cache never grows past W
+
+
+def stream_picks(model, idx, state=None):
+    """The chunks picked at every landmark of idx (1, T), per group: [(n, K) sorted] — from one
+    forward (state=None) or token by token through a DecodeState."""
+    import model as drt
+    S, G = model.config.chunk_size, len(model.config.groups)
+    if state is None:
+        calls, orig = [], drt.retrieve
+        drt.retrieve = lambda *a: calls.append(orig(*a)) or calls[-1]
+        try:
+            model(idx)
+        finally:
+            drt.retrieve = orig
+        return [calls[g][0][0].sort(-1).values for g in range(G)]
+    picks = [[] for _ in range(G)]
+    for t in range(idx.size(1)):
+        n = state.n
+        model(idx[:, t : t + 1], state=state)
+        if state.n // S > n // S:  # a landmark went in: new picks
+            for g in range(G):
+                picks[g].append(state.picks[g][0][0, -1].sort().values)
+    return [torch.stack(p) for p in picks]
+
+
+def test_decode_picks_equal_full_under_bf16():
+    """Under bf16 autocast, token-by-token decoding picks exactly the chunks the full forward
+    picks: retrieval scores are fp32, so how a stream is cut never decides a near-tie."""
+    torch.manual_seed(0)
+    model = DRT(tiny_config(n_embd=64, chunk_size=16, window=32, groups=(1, 1))).eval()
+    idx = tokens(model.config, 1, 307, seed=1)  # 20 chunks: hundreds of scores, some close
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = stream_picks(model, idx)
+        decoded = stream_picks(model, idx, model.new_state())
+    for g in range(2):
+        assert torch.equal(decoded[g], full[g][: len(decoded[g])]), f"group {g} picks differ"
+
+
+def test_state_holds_no_graph():
+    """A DecodeState used with gradients enabled keeps no autograd graph (memory stays O(W +
+    chunks), not O(stream)), and the unfinished chunk's buffer is a copy, not a view that keeps
+    the whole segment alive."""
+    model = tiny_model(groups=(1, 1), dtype=torch.float32)
+    state = model.new_state()
+    for seg in (tokens(model.config, 2, 45, seed=1), tokens(model.config, 2, 30, seed=2)):
+        logits, _ = model(seg, state=state)
+        assert logits.grad_fn is not None  # the call itself is differentiable
+    m = state.memory
+    held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.l_blocks + [m.k, m.v, state.chunk_buf]
+    held += [t for p in state.picks for t in p]
+    assert all(t is not None and t.grad_fn is None and not t.requires_grad for t in held)
+    buf = state.chunk_buf
+    assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
+
+
+def test_landmark_id_default():
+    """DRTConfig(vocab_size=V) just works: the landmark is the first id after GPT-2's where the
+    vocabulary has room (the PG19 layout), else the last id."""
+    assert DRTConfig().landmark_id == 50257 and DRTConfig(vocab_size=128).landmark_id == 127
+    model = DRT(DRTConfig(vocab_size=128, n_embd=32, n_head=4, n_lower=1, groups=(1,), n_enc=1, chunk_size=8,
+                          window=16, topk=2))
+    logits, _ = model(torch.randint(0, 127, (1, 30)))
+    assert logits.shape == (1, 1, 128)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
@@ -406,6 +514,72 @@ def test_cuda_offload_equals_device(dtype):
             steps = torch.cat([m(idx[:, t : t + 1], state=state)[0] for t in range(690, 720)], 1).float()
             assert rel_err(steps, full[:, 690:]) < tol, offload
         assert state.memory.host_k and state.memory.host_k[0].is_pinned()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_flex_window_attention(dtype):
+    """On a GPU, window attention over a whole sequence runs through compiled FlexAttention:
+    output and gradients equal a dense fp32 reference (sequences of several 128-blocks, a
+    window that is and one that is not a multiple of the block)."""
+    from model import window_attention
+    for L, W in [(1000, 512), (777, 192)]:
+        torch.manual_seed(L)
+        q, k, v = (torch.randn(2, 4, L, 64, device="cuda") for _ in range(3))
+        do = torch.randn_like(q)
+        slopes = alibi_slopes(4).cuda()
+        pos = torch.arange(L, device="cuda")
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = torch.softmax(ins[0] @ ins[1].transpose(-1, -2) / 8 + alibi_bias(pos, pos, slopes, W), -1) @ ins[2]
+        ref_grads = torch.autograd.grad(ref, ins, do)
+        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = window_attention(*ins, 0, W, slopes)
+        grads = torch.autograd.grad(out, ins, do.to(dtype))
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert rel_err(out.float(), ref) < tol
+        assert all(rel_err(g.float(), r) < tol for g, r in zip(grads, ref_grads))
+
+
+@cuda
+def test_cuda_decode_picks_equal_full():
+    """bf16 on a GPU: decoding token by token (with and without offload) picks the full forward's chunks."""
+    torch.manual_seed(16)
+    m = DRT(tiny_config(n_embd=128, n_head=2, chunk_size=16, window=32, groups=(1, 1))).cuda().eval()
+    idx = tokens(m.config, 1, 500, seed=16).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        full = stream_picks(m, idx)
+        for offload in (False, True):
+            decoded = stream_picks(m, idx, m.new_state(offload=offload))
+            assert all(torch.equal(d, f[: len(d)]) for d, f in zip(decoded, full)), offload
+
+
+@cuda
+def test_cuda_gca_falls_back_outside_the_kernel():
+    """Head width 48 (768 / 16 heads) or chunks of 24 are not FlashGCA tiles: the model runs the
+    PyTorch GCA there instead of failing inside the kernel."""
+    for kw in (dict(n_embd=96, n_head=2), dict(chunk_size=24, window=48)):
+        torch.manual_seed(0)
+        m = DRT(tiny_config(**{"n_embd": 64, "n_head": 2, "chunk_size": 16, "window": 32, **kw})).cuda()
+        idx = tokens(m.config, 2, 12 * (m.config.chunk_size - 1), seed=0).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = m(idx, idx)
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
+def test_kernel_fits():
+    """The shapes model.gca sends to FlashGCA are exactly those flash_gca accepts."""
+    for S, D, dtype in [(64, 64, torch.bfloat16), (64, 48, torch.bfloat16), (24, 64, torch.float16),
+                        (128, 128, torch.float32), (64, 128, torch.float32), (64, 64, torch.float64)]:
+        fits = gca_kernel.kernel_fits(S, D, dtype)
+        x = torch.zeros(1, 1, S, 1, D, dtype=dtype, device=DEVICE)
+        idx, w = torch.zeros(1, 1, 1, dtype=torch.long, device=DEVICE), torch.ones(1, 1, 1, device=DEVICE)
+        try:
+            flash_gca(x, x, x, idx, w)
+            accepted = True
+        except (ValueError, TypeError):
+            accepted = False
+        assert fits == accepted, (S, D, dtype)
 
 
 # -----------------------------------------------------------------------------
