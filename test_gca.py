@@ -6,7 +6,9 @@ Tests for DRT: the model (model.py), the FlashGCA kernel (gca_kernel.py), data p
     python -m pytest -q test_gca.py -k kernel  # on a GPU the kernel tests run natively (and in bf16)
 
 Every test draws fresh random inputs; models are tiny so the file runs in minutes on 2 cores.
-Tokenizer tests use DRT_GPT2_RANKS, or ../shared/data/tokenizers/gpt2.tiktoken beside the checkout.
+Tokenizer tests need GPT-2's BPE: offline, DRT_GPT2_RANKS=/path/to/r50k_base.tiktoken (see
+prepare_pg19.py), else tiktoken downloads it; without either they skip. DRT_PG19_SAMPLE=/path/to/
+a small PG19-layout folder adds a test on real books.
 """
 
 import glob
@@ -732,14 +734,10 @@ def test_flash_gca_input_errors():
 # -----------------------------------------------------------------------------
 # data preparation (prepare_pg19.py)
 
-SHARED = Path(__file__).resolve().parent.parent / "shared"
-
 
 def _tokenizer_or_skip(monkeypatch):
-    # the shared ranks file works offline; without it, tiktoken must download 'gpt2'
-    default = SHARED / "data/tokenizers/gpt2.tiktoken"
-    if not os.environ.get("DRT_GPT2_RANKS") and default.is_file():
-        monkeypatch.setenv("DRT_GPT2_RANKS", str(default))
+    # offline, DRT_GPT2_RANKS names GPT-2's ranks file; without it tiktoken must download 'gpt2'
+    # (monkeypatch: unused, kept so that the callers stay as they are)
     try:
         return prepare_pg19.get_tokenizer()
     except (RuntimeError, FileNotFoundError) as e:
@@ -757,6 +755,11 @@ def _write_books(root, books, metadata=None):
         (root / "metadata.csv").write_text(metadata, encoding="utf-8")
 
 
+def _files(root):
+    # {name: bytes} of every file in root: a dataset to compare bit for bit, temp files included
+    return {p.name: p.read_bytes() for p in root.iterdir()}
+
+
 def test_tokenizer_local_file(monkeypatch):
     enc = _tokenizer_or_skip(monkeypatch)
     assert enc.encode_ordinary("Hello world") == [15496, 995]
@@ -765,8 +768,46 @@ def test_tokenizer_local_file(monkeypatch):
     assert enc.eot_token == prepare_pg19.EOT == 50256
     text = "It was the best of times,\r\nit was the worst of times — naïve café 日本 <|endoftext|>\n\n"
     assert enc.decode(enc.encode_ordinary(text)) == text
-    with pytest.raises(FileNotFoundError, match="nope.tiktoken"):
+    with pytest.raises(FileNotFoundError, match="nope.tiktoken") as e:
         prepare_pg19.get_tokenizer("/nonexistent/nope.tiktoken")
+    assert prepare_pg19.RANKS_URL in str(e.value) and "shared" not in str(e.value)
+
+
+def test_tokenizer_offline_message(monkeypatch, capsys):
+    # no ranks file and no network: the message says which file to fetch and where to point at it
+    import tiktoken
+
+    def offline(name):
+        raise OSError("Temporary failure in name resolution")
+    monkeypatch.delenv("DRT_GPT2_RANKS", raising=False)
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(RuntimeError, match="name resolution") as e:
+        prepare_pg19.get_tokenizer()
+    msg = str(e.value)
+    assert "r50k_base.tiktoken" in msg and "DRT_GPT2_RANKS=" in msg and "--tokenizer_file" in msg
+    assert "shared" not in msg
+    with pytest.raises(SystemExit):
+        prepare_pg19.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "r50k_base.tiktoken" in help_text and "--max_books" in help_text and "shared" not in help_text
+
+
+def test_prepare_fmt_time():
+    got = [prepare_pg19.fmt_time(s) for s in (0, 59.9, 61, 3600, 3725)]
+    assert got == ["0m00s", "0m59s", "1m01s", "1h00m", "1h02m"]
+    assert prepare_pg19._fmt_time is prepare_pg19.fmt_time  # the old name, which train.py imports for now
+
+
+def test_prepare_requirements_triton_linux_only():
+    # Triton has wheels for Linux only: elsewhere `pip install -r requirements.txt` must skip it
+    from packaging.requirements import Requirement  # pytest depends on packaging
+    lines = (Path(__file__).resolve().parent / "requirements.txt").read_text().splitlines()
+    reqs = {r.name: r for r in (Requirement(line.split(" #")[0]) for line in lines if line.strip())}
+    assert {"torch", "numpy", "tiktoken", "triton", "pytest"} <= set(reqs)
+    assert "2.5" in reqs["torch"].specifier
+    for platform, wanted in [("linux", True), ("darwin", False), ("win32", False)]:
+        assert reqs["triton"].marker.evaluate({"sys_platform": platform}) is wanted
+    assert all(r.marker is None for name, r in reqs.items() if name != "triton")
 
 
 def test_prepare_tiny_layout(tmp_path, monkeypatch):
@@ -803,22 +844,54 @@ def test_prepare_tiny_layout(tmp_path, monkeypatch):
     assert meta2["splits"] == meta["splits"] and meta2["titles"] == meta["titles"]
 
 
-def test_prepare_shared_sample(tmp_path, monkeypatch):
-    src = Path(__file__).resolve().parent.parent / "shared/data/pg19-sample"
-    if not src.is_dir():
-        pytest.skip(f"{src} not present")
+def test_prepare_max_books(tmp_path, monkeypatch):
+    _tokenizer_or_skip(monkeypatch)
+    books = {"train": {i: f"Train book {i}.\n" * (i + 1) for i in (1, 2, 3, 10, 11)},
+             "validation": {5: "The valid book.\n"}, "test": {6: "Test six.\n", 7: "Test seven.\n"}}
+    _write_books(tmp_path / "src", books, "1,One,1900,u\n2,Two,1900,u\n10,Ten,1900,u\n")
+    quiet = dict(num_proc=2, log=lambda s: None)
+    full = prepare_pg19.prepare(str(tmp_path / "src"), str(tmp_path / "full"), **quiet)
+    sub = prepare_pg19.prepare(str(tmp_path / "src"), str(tmp_path / "sub"), max_books=3, **quiet)
+    # the first 3 by file name, as the bucket lists them (1.txt, 10.txt, 11.txt), tokenized in id order;
+    # splits with fewer books are taken whole
+    assert {n: [b for b, _, _ in m["offsets"]] for n, m in sub["splits"].items()} == \
+        {"train": [1, 10, 11], "val": [5], "test": [6, 7]}
+    assert sub["titles"] == {"1": "One", "10": "Ten"}  # only the books it holds
+    for name, m in sub["splits"].items():  # every book's tokens as in the full run
+        data = np.fromfile(tmp_path / "sub" / m["file"], dtype=np.uint16)
+        full_data = np.fromfile(tmp_path / "full" / m["file"], dtype=np.uint16)
+        where = {b: (start, n) for b, start, n in full["splits"][name]["offsets"]}
+        for book_id, start, n in m["offsets"]:
+            full_start, full_n = where[book_id]
+            assert n == full_n and data[start:start + n].tolist() == full_data[full_start:full_start + n].tolist()
+        assert m["tokens"] == len(data)
+    with pytest.raises(ValueError, match="max_books=0"):
+        prepare_pg19.prepare(str(tmp_path / "src"), str(tmp_path / "sub"), max_books=0, **quiet)
+    with pytest.raises(SystemExit, match="--max_books=0"):
+        prepare_pg19.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "sub"), "--max_books=0"])
+
+
+def test_prepare_pg19_sample(tmp_path, monkeypatch):
+    # a real PG19-layout folder (e.g. a few dozen books), named by env DRT_PG19_SAMPLE
+    if not os.environ.get("DRT_PG19_SAMPLE"):
+        pytest.skip("set DRT_PG19_SAMPLE to a folder laid out like PG19 to run this test")
+    src = Path(os.environ["DRT_PG19_SAMPLE"])
     enc = _tokenizer_or_skip(monkeypatch)
     meta = prepare_pg19.prepare(str(src), str(tmp_path), num_proc=2, log=lambda s: None)
-    assert {n: m["books"] for n, m in meta["splits"].items()} == {"train": 20, "val": 2, "test": 2}
-    for name, m in meta["splits"].items():
+    for folder, name in prepare_pg19.SPLITS.items():
+        m = meta["splits"][name]
+        assert m["books"] == len(list((src / folder).glob("*.txt")))
         data = np.memmap(tmp_path / m["file"], dtype=np.uint16, mode="r")
         assert m["tokens"] == len(data) == sum(n for _, _, n in m["offsets"])
         assert int((data == 50256).sum()) == m["books"]
         assert int(data.max()) < 50257
-    book_id, start, n = meta["splits"]["val"]["offsets"][-1]
-    data = np.memmap(tmp_path / "val.bin", dtype=np.uint16, mode="r")
-    assert enc.decode(data[start:start + n - 1].tolist()) == (src / "validation" / f"{book_id}.txt").read_text("utf-8")
-    assert meta["titles"][str(book_id)] == "The Adventures of Sherlock Holmes"
+        book_id, start, n = m["offsets"][-1]
+        assert enc.decode(data[start:start + n - 1].tolist()) == (src / folder / f"{book_id}.txt").read_text("utf-8")
+    if (src / "metadata.csv").is_file():
+        import csv
+        with open(src / "metadata.csv", newline="", encoding="utf-8") as f:
+            rows = {r[0]: r[1] for r in csv.reader(f) if r}
+        assert meta["titles"] and all(rows[i] == t for i, t in meta["titles"].items())
 
 
 def test_prepare_errors(tmp_path, monkeypatch):
@@ -850,74 +923,173 @@ def test_prepare_errors(tmp_path, monkeypatch):
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
 
 
-def test_prepare_interrupted_leaves_nothing_complete(tmp_path, monkeypatch):
+def test_prepare_failed_rerun_keeps_old_dataset(tmp_path, monkeypatch):
     _tokenizer_or_skip(monkeypatch)
-    books = {str(i): "Some perfectly fine text. " * 200 for i in range(1, 9)}
-    books["99"] = b"fine start, then \xff\xfe garbage"  # sorts last: fails after the others were written
-    _write_books(tmp_path / "src", {"train": books, "validation": {1: "v"}, "test": {1: "t"}})
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "meta.json").write_text('{"splits": {}}')  # from an earlier run: must not survive a failed one
-    with pytest.raises(ValueError, match="99.txt"):
-        prepare_pg19.prepare(str(tmp_path / "src"), str(out), num_proc=2, log=lambda s: None)
-    assert os.listdir(out) == []  # no train.bin, no train.bin.tmp, no meta.json
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {i: "Some perfectly fine text. " * 200 for i in range(1, 9)},
+                       "validation": {1: "v"}, "test": {1: "t"}})
+    prepare_pg19.prepare(str(src), str(out), num_proc=2, log=lambda s: None)
+    before = _files(out)
+    assert sorted(before) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    (src / "train" / "5.txt").write_text("Changed. " * 300)  # a rewrite of train.bin would show
+
+    # bad books in test/, the last split: found before anything is tokenized or written, all named
+    (src / "test" / "98.txt").write_bytes(b"\xc3")
+    (src / "test" / "99.txt").write_bytes(b"fine start, then \xff\xfe garbage")
+    lines = []
+    with pytest.raises(ValueError, match=r"2 of 12 books cannot be used: .*98\.txt is not valid UTF-8.*99\.txt"):
+        prepare_pg19.prepare(str(src), str(out), num_proc=2, log=lines.append)
+    assert lines and all(line.startswith("check:") for line in lines)  # checked, nothing tokenized
+    assert _files(out) == before  # bit-identical, no temp files
+    with pytest.raises(SystemExit, match="99.txt"):
+        prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1"])
+    assert _files(out) == before
+
+    # interrupted (Ctrl-C) while tokenizing test/: the old dataset stays, the temp files go
+    (src / "test" / "98.txt").unlink()
+    (src / "test" / "99.txt").unlink()
+    encode = prepare_pg19._encode_book
+
+    def interrupted(path):
+        if Path(path).parent.name == "test":
+            raise KeyboardInterrupt
+        return encode(path)
+    monkeypatch.setattr(prepare_pg19, "_encode_book", interrupted)  # num_proc=1: tokenizes in this process
+    with pytest.raises(KeyboardInterrupt):
+        prepare_pg19.prepare(str(src), str(out), num_proc=1, log=lambda s: None)
+    assert _files(out) == before
+    monkeypatch.setattr(prepare_pg19, "_encode_book", encode)
+
+    # killed between the renames: train.bin and val.bin are new, test.bin old, so no meta.json at all
+    replace = os.replace
+
+    def killed(a, b):
+        if os.path.basename(b) == "test.bin":
+            raise OSError("killed")
+        replace(a, b)
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(OSError, match="killed"):
+        prepare_pg19.prepare(str(src), str(out), num_proc=1, log=lambda s: None)
+    monkeypatch.setattr(os, "replace", replace)
+    after = _files(out)
+    assert sorted(after) == ["test.bin", "train.bin", "val.bin"]  # incomplete: no meta.json, no temp files
+    assert after["test.bin"] == before["test.bin"] and after["train.bin"] != before["train.bin"]
 
 
-def test_download_fake_bucket(tmp_path):
-    files = {f"train/{i}.txt": f"train book {i}\n".encode() * (i + 1) for i in (1, 2, 3, 10, 11)}
-    files.update({"validation/5.txt": b"val\n", "test/6.txt": "tést\n".encode(), "metadata.csv": b"1,One,1900,u\n"})
-    requests, fail_once = [], {"train/3.txt"}  # one transient 503 to exercise the retry
+@pytest.fixture
+def fake_bucket():
+    """start(files) serves {name: bytes} the way the GCS JSON API and bucket do (2 items per
+    listing page) and returns (download_pg19 kwargs, names fetched, listings asked as (prefix, page))."""
+    servers = []
 
-    class Bucket(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            from urllib.parse import urlparse, parse_qs, unquote
-            u = urlparse(self.path)
-            if u.path == "/storage/v1/b/bkt/o":  # listing, 2 items per page
-                q = parse_qs(u.query)
-                names = sorted(n for n in files if n.startswith(q["prefix"][0]))
-                start = int(q.get("pageToken", ["0"])[0])
-                page = {"items": [{"name": n, "size": str(len(files[n]))} for n in names[start:start + 2]]}
-                if start + 2 < len(names):
-                    page["nextPageToken"] = str(start + 2)
-                body = json.dumps(page).encode()
-            else:
-                name = unquote(u.path[len("/bkt/"):])
-                requests.append(name)
-                if name in fail_once:
-                    fail_once.discard(name)
-                    self.send_error(503)
-                    return
-                body = files[name]
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def start(files, fail_once=()):
+        fetched, listed, fail_once = [], [], set(fail_once)
 
-        def log_message(self, *args):
-            pass
+        class Bucket(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                from urllib.parse import urlparse, parse_qs, unquote
+                u = urlparse(self.path)
+                if u.path == "/storage/v1/b/bkt/o":  # listing, 2 items per page
+                    q = parse_qs(u.query)
+                    listed.append((q["prefix"][0], q.get("pageToken", [None])[0]))
+                    names = sorted(n for n in files if n.startswith(q["prefix"][0]))
+                    start = int(q.get("pageToken", ["0"])[0])
+                    page = {"items": [{"name": n, "size": str(len(files[n]))} for n in names[start:start + 2]]}
+                    if start + 2 < len(names):
+                        page["nextPageToken"] = str(start + 2)
+                    body = json.dumps(page).encode()
+                else:
+                    name = unquote(u.path[len("/bkt/"):])
+                    fetched.append(name)
+                    if name in fail_once:
+                        fail_once.discard(name)
+                        self.send_error(503)
+                        return
+                    body = files[name]
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bucket)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    kw = dict(api_url=f"{base}/storage/v1/b/bkt/o", base_url=f"{base}/bkt", workers=4, backoff=0.0,
-              log=lambda s: None)
-    raw = tmp_path / "raw"
-    try:
-        # a .part from an interrupted download, and a truncated file under its final name
-        (raw / "train").mkdir(parents=True)
-        (raw / "train" / "2.txt.part").write_bytes(files["train/2.txt"][:5])
-        (raw / "train" / "10.txt").write_bytes(files["train/10.txt"][:7])
-        assert prepare_pg19.download_pg19(str(raw), **kw) == len(files)
-        got = {str(p.relative_to(raw)): p.read_bytes() for p in raw.rglob("*") if p.is_file()}
-        assert got == files  # every file whole, no .part left
-        assert sorted(requests) == sorted(list(files) + ["train/3.txt"])  # 3.txt twice: the retry
+            def log_message(self, *args):
+                pass
 
-        requests.clear()
-        assert prepare_pg19.download_pg19(str(raw), **kw) == 0  # resume: nothing to fetch
-        assert requests == []
-    finally:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bucket)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        return dict(api_url=f"{base}/storage/v1/b/bkt/o", base_url=f"{base}/bkt", backoff=0.0), fetched, listed
+
+    yield start
+    for server in servers:
         server.shutdown()
         server.server_close()
+
+
+def test_download_fake_bucket(tmp_path, fake_bucket):
+    files = {f"train/{i}.txt": f"train book {i}\n".encode() * (i + 1) for i in (1, 2, 3, 10, 11)}
+    files.update({"validation/5.txt": b"val\n", "test/6.txt": "tést\n".encode(), "metadata.csv": b"1,One,1900,u\n"})
+    kw, fetched, listed = fake_bucket(files, fail_once={"train/3.txt"})  # one transient 503 to exercise the retry
+    kw.update(workers=4, log=lambda s: None)
+    raw = tmp_path / "raw"
+    # a .part from an interrupted download, and a truncated file under its final name
+    (raw / "train").mkdir(parents=True)
+    (raw / "train" / "2.txt.part").write_bytes(files["train/2.txt"][:5])
+    (raw / "train" / "10.txt").write_bytes(files["train/10.txt"][:7])
+    assert prepare_pg19.download_pg19(str(raw), **kw) == len(files)
+    got = {str(p.relative_to(raw)): p.read_bytes() for p in raw.rglob("*") if p.is_file()}
+    assert got == files  # every file whole, no .part left
+    assert sorted(fetched) == sorted(list(files) + ["train/3.txt"])  # 3.txt twice: the retry
+
+    fetched.clear()
+    assert prepare_pg19.download_pg19(str(raw), **kw) == 0  # resume: nothing to fetch
+    assert fetched == []
+
+    # max_books: the first N .txt of each split in listing (name) order, and no more listing pages than
+    # needed. Train lists as 1, 10 | 11, 2 | 3 (2 a page): 1 book takes page one, 3 books pages one and two
+    raw = tmp_path / "raw_small"
+    listed.clear()
+    fetched.clear()
+    assert prepare_pg19.download_pg19(str(raw), max_books=1, **kw) == 4
+    assert sorted(fetched) == ["metadata.csv", "test/6.txt", "train/1.txt", "validation/5.txt"]
+    assert [page for prefix, page in listed if prefix == "train/"] == [None]
+    listed.clear()
+    fetched.clear()
+    assert prepare_pg19.download_pg19(str(raw), max_books=3, **kw) == 2  # the rest was there already
+    assert sorted(fetched) == ["train/10.txt", "train/11.txt"]
+    assert [page for prefix, page in listed if prefix == "train/"] == [None, "2"]
+    got = {str(p.relative_to(raw)): p.read_bytes() for p in raw.rglob("*") if p.is_file()}
+    assert got == {n: files[n] for n in ["metadata.csv", "test/6.txt", "train/1.txt", "train/10.txt",
+                                         "train/11.txt", "validation/5.txt"]}
+
+
+def test_download_max_books_then_prepare(tmp_path, monkeypatch, capsys, fake_bucket):
+    # the CLI end to end: --max_books downloads N books of each split, tokenizes just those,
+    # and a second run fetches nothing
+    _tokenizer_or_skip(monkeypatch)
+    files = {f"train/{i}.txt": f"Train book {i}.\n".encode() * i for i in (1, 2, 3, 10, 11)}
+    files.update({f"test/{i}.txt": f"Test book {i}.\n".encode() for i in (6, 7, 8)})
+    files.update({"validation/5.txt": b"The valid book.\n", "metadata.csv": b"10,Ten,1900,u\n"})
+    kw, fetched, listed = fake_bucket(files)
+    download = prepare_pg19.download_pg19
+    monkeypatch.setattr(prepare_pg19, "download_pg19", lambda *a, **k: download(*a, **k, **kw))
+    argv = ["--max_books=2", "--raw_dir", str(tmp_path / "raw"), "--out", str(tmp_path / "out"), "--num_proc=1"]
+    prepare_pg19.main(argv)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert {n: [b for b, _, _ in m["offsets"]] for n, m in meta["splits"].items()} == \
+        {"train": [1, 10], "val": [5], "test": [6, 7]}
+    assert meta["titles"] == {"10": "Ten"}
+    assert sorted(fetched) == ["metadata.csv", "test/6.txt", "test/7.txt", "train/1.txt", "train/10.txt",
+                               "validation/5.txt"]
+    log = capsys.readouterr().out
+    assert "download: 6 files listed, 0 already present, 6 to fetch" in log and "check: 5/5 books" in log
+    assert "train: 2/2 books" in log and "done in" in log
+
+    fetched.clear()
+    prepare_pg19.main(argv)
+    assert fetched == []
+    assert "download: 6 files listed, 6 already present, 0 to fetch" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
 
 
 # -----------------------------------------------------------------------------
