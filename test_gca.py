@@ -1135,6 +1135,36 @@ def test_sample_help(capsys):
         assert "DESIGN" not in text and "../shared" not in text
 
 
+# the benchmarks' command lines: with nothing to do, or nothing they can do, they say so and fail
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to do: pass --train, --long or both"),
+    (["--train", "--steps=0"], "--steps=0: must be >= 1"),
+    (["--long", "--lengths=4Q"], "--lengths='4Q': expected a list"),
+    (["--long", "--n_embd=100"], "--n_embd=100: must be a multiple of 64"),
+    (["--train", "--model=n_embd=64"], "--model='n_embd=64': expected a dict"),
+], ids=["nothing to do", "steps", "lengths", "n_embd", "model"])
+def test_bench_usage_errors(argv, message, capsys):
+    import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage:") and f"error: {message}" in err
+
+
+def test_bench_gca_without_gpu(monkeypatch):
+    """No GPU: bench_gca.py fails (nothing was timed) and names the CPU kernel tests, which exist."""
+    import bench_gca
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench_gca.main([])
+    msg = str(e.value.code)
+    assert msg.startswith("bench_gca.py: error: no CUDA GPU") and "test_gca.py" in msg
+    k = re.search(r"python -m pytest -q test_gca.py -k (\w+)$", msg).group(1)
+    assert [n for n in globals() if n.startswith("test_flash_gca") and k in n]  # run on a CPU, not CUDA-only
+
+
 def test_toy_retrieval_runs():
     """The CPU experiment of README (Passkey): its task is what it says, and it runs."""
     import random
