@@ -115,8 +115,9 @@ def bench_long(args, dev):
               f"{kv / 2**30:9.2f}G {kv / L:8.0f} {peak_host_gib():9.1f}G", flush=True)
 
 
-def main():
-    p = argparse.ArgumentParser(description="DRT model benchmarks (CUDA).")
+def main(argv=None):
+    p = argparse.ArgumentParser(description="DRT model benchmarks (CUDA): pass --train, --long or both.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--train", action="store_true", help="time training steps of the 146M models")
     p.add_argument("--long", action="store_true", help="stream long contexts: time and memory vs length")
     p.add_argument("--batch_size", type=int, default=1, help="--train: sequences per step")
@@ -128,9 +129,29 @@ def main():
     p.add_argument("--offload", action="store_true", help="--long: chunk keys/values in pinned host memory")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run at toy sizes")
     p.add_argument("--model", default="{}", help="--train: DRTConfig overrides as a dict, e.g. \"{'n_embd': 64}\"")
-    args = p.parse_args()
-    args.model = ast.literal_eval(args.model)
-    dev = torch.device(args.device)
+    args = p.parse_args(argv)
+    if not (args.train or args.long):
+        p.error("nothing to do: pass --train, --long or both")
+    for name in ("batch_size", "block_size", "steps", "segment"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)}: must be >= 1")
+    if args.n_embd < 64 or args.n_embd % 64:
+        p.error(f"--n_embd={args.n_embd}: must be a multiple of 64 (heads of 64)")
+    try:
+        parse_lengths(args.lengths)
+    except ValueError as e:
+        p.error(e)
+    try:
+        overrides = ast.literal_eval(args.model)
+    except (ValueError, SyntaxError):
+        overrides = None
+    if not isinstance(overrides, dict):
+        p.error(f"--model={args.model!r}: expected a dict of DRTConfig fields, e.g. \"{{'n_embd': 64}}\"")
+    args.model = overrides
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device={args.device}: expected cuda, cuda:N or cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.py: no CUDA GPU here (--device=cpu runs a smoke test)")
     print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}")

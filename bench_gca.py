@@ -133,15 +133,18 @@ def sweep(gca_kernel, do_bench):
         print(f"sweep {name:12s} best num_warps={num_warps} num_stages={num_stages} ({ms:.3f} ms; top: {tried})")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare with an fp32 reference first")
     parser.add_argument("--sweep", action="store_true", help="tune num_warps/num_stages first")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_gca.py needs a CUDA GPU (the kernels are tested on CPU by test_kernel.py); nothing to do.")
-        sys.exit(0)
+    args = parser.parse_args(argv)
+    if args.rep < 1:
+        parser.error(f"--rep={args.rep}: must be >= 1 (ms)")
+    if not torch.cuda.is_available():  # no benchmark ran: not a success
+        raise SystemExit("bench_gca.py: error: no CUDA GPU here, so nothing was timed. On a CPU, test the "
+                         "kernels under TRITON_INTERPRET=1: python -m pytest -q test_gca.py -k flash_gca")
     import triton
     from triton.testing import do_bench
 

@@ -4,13 +4,14 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
     python sample.py --out_dir=out-quickstart --prompt="It was a dark and stormy night"
     python sample.py --out_dir=out-quickstart --prompt=FILE:book.txt --max_new_tokens=200
     python sample.py --out_dir=out-passkey --passkey                       # 4K ... 1M tokens
-    python sample.py --out_dir=out-passkey --passkey --lengths=64K,1M,16M --offload --samples=5
+    python sample.py --out_dir=out-passkey --passkey --lengths=64K,1M,16M --offload --samples_per_length=5
     python sample.py --out_dir=out-passkey --multikey --vartrack --haystack=data/pg19/val.bin
 
 The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture
 flags. Prompts of any length are prefilled in segments and continued token by token with
-O(W) self-attention caches (model.DecodeState); --offload keeps the chunk memory in host
-memory and brings only the retrieved chunks to the GPU (DESIGN §5).
+O(W) self-attention caches (model.DecodeState); --offload keeps the chunk memory (the keys
+and values of every past chunk) in host memory and brings only the retrieved chunks to the
+GPU. Every argument is checked before the checkpoint loads, so a typo costs no load time.
 """
 
 import argparse
@@ -29,19 +30,30 @@ from prepare_pg19 import get_tokenizer
 from tasks import TASKS, Haystack, make_example, score
 
 
+def error(msg):
+    """A wrong argument or an unusable file: one line, no traceback."""
+    raise SystemExit(f"sample.py: error: {msg}")
+
+
 def load_checkpoint(path, device):
     """The model saved by train.py, with the config it was trained with."""
     if os.path.isdir(path):
         path = os.path.join(path, "ckpt.pt")
     if not os.path.isfile(path):
-        raise SystemExit(f"sample.py: no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if "model" not in ckpt or "model_args" not in ckpt:
-        raise SystemExit(f"sample.py: {path} is not a train.py checkpoint (it needs 'model' and 'model_args')")
+        error(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a file cut short or not torch's fails as a zip, pickle, EOF or even KeyError
+        why = str(e).strip().splitlines()[0] if str(e).strip() else "no detail"
+        error(f"cannot read {path} as a checkpoint ({type(e).__name__}: {why}): the file is cut short or "
+              f"not a train.py ckpt.pt; copy it again, or point --out_dir/--ckpt at another")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        error(f"{path} holds a {type(ckpt).__name__}, not a train.py checkpoint (a dict with 'model' and "
+              f"'model_args'): point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
     try:
         cfg = DRTConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"sample.py: the config stored in {path} does not build a DRT: {e}")
+        error(f"the config stored in {path} does not build a DRT: {e}")
     model = DRT(cfg)
     state = ckpt["model"]
     own = model.state_dict()
@@ -50,8 +62,8 @@ def load_checkpoint(path, device):
     missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     if wrong or missing or extra:
         detail = "; ".join(wrong[:3] + [f"missing {m}" for m in missing[:3]] + [f"unexpected {e}" for e in extra[:3]])
-        raise SystemExit(f"sample.py: the weights in {path} do not fit the config stored with them "
-                         f"({cfg}): {detail}. Was the checkpoint written by another version of model.py?")
+        error(f"the weights in {path} do not fit the config stored with them ({cfg}): {detail}. "
+              f"Was the checkpoint written by another version of model.py?")
     model.load_state_dict(state)
     return model.to(device).eval(), ckpt
 
@@ -90,13 +102,16 @@ def greedy(model, logits, state, n):
 
 
 def parse_lengths(text):
-    """'4K,16K,1M' -> [4096, 16384, 1048576]."""
+    """'4K,16K,1M' -> [4096, 16384, 1048576]; ValueError if it does not read as lengths."""
     mult = {"K": 2**10, "M": 2**20, "G": 2**30}
     try:
-        return [int(float(t[:-1]) * mult[t[-1].upper()]) if t[-1].upper() in mult else int(t)
-                for t in text.split(",") if t]
+        lengths = [int(float(t[:-1]) * mult[t[-1].upper()]) if t[-1].upper() in mult else int(t)
+                   for t in text.split(",") if t]
     except (ValueError, KeyError):
-        raise SystemExit(f"sample.py: --lengths {text!r}: expected a list like 4K,16K,1M or 4096,16384")
+        lengths = []
+    if not lengths:
+        raise ValueError(f"--lengths={text!r}: expected a list like 4K,16K,1M or 4096,16384")
+    return lengths
 
 
 def fmt_len(n):
@@ -116,11 +131,55 @@ def peak_host_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
+def prompt_seed(seed, task, L, i):
+    """The seed of test prompt i of `task` at length L: the same prompts for every model and run."""
+    return f"{seed}-{task}-{L}-{i}"
+
+
+def prompt_room(task, seed, enc):
+    """Tokens that the needles and question of the test prompt drawn with random.Random(seed)
+    take: the shortest length make_example accepts for it. Only short lengths are tried, so no
+    long filler is built; the room does not depend on the length (the needles are drawn first)."""
+    def fits(n):
+        try:
+            make_example(task, n, random.Random(seed), enc)
+            return True
+        except ValueError:  # too short for the needles and question
+            return False
+    lo, hi = 1, 64
+    while not fits(hi):
+        lo, hi = hi + 1, 2 * hi
+    while lo < hi:  # bisect: the smallest n in [lo, hi] that fits
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
+
+
+def check_lengths(tasks, lengths, samples, seed, enc):
+    """Every test prompt must hold its needles and question: a length too short for the prompts
+    run_task will draw is an error now, before the model loads, naming the shortest that works."""
+    for task in tasks:
+        # prompts differ by a few tokens (multikey: 62 to 69); no length below the longest of 64
+        # probes passes, so that whether a length passes does not hang on the luck of its seeds
+        floor = max(prompt_room(task, i, enc) for i in range(64))
+
+        def ok(L):  # every prompt run_task draws at length L fits
+            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc) <= L
+                                      for i in range(samples))
+
+        for L in lengths:
+            if not ok(L):
+                fix = max(L, floor)
+                while not ok(fix):
+                    fix += 1
+                error(f"--lengths: {L} tokens cannot hold the needles and question of a {task} prompt: "
+                      f"use lengths of at least {fix}")
+
+
 @torch.no_grad()
-def run_task(model, enc, task, lengths, args, ctx):
+def run_task(model, enc, task, lengths, args, ctx, haystack=None):
     """Accuracy of `task` at each context length; prints one table row per length."""
     device = next(model.parameters()).device
-    haystack = Haystack(args.haystack, enc) if args.haystack else None
     print(f"\n{task}: {args.samples} samples per length, {'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}")
     header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'s/sample':>9} {'peak GPU':>9} "
@@ -132,7 +191,7 @@ def run_task(model, enc, task, lengths, args, ctx):
             torch.cuda.reset_peak_memory_stats()
         correct, t0, kv, eligible, found = 0, time.time(), 0, 0, 0
         for i in range(args.samples):
-            rng = random.Random(f"{args.seed}-{task}-{L}-{i}")  # same prompts for every model and run
+            rng = random.Random(prompt_seed(args.seed, task, L, i))  # same prompts for every model and run
             prompt, answer = make_example(task, L, rng, enc, haystack)
             state = model.new_state(offload=args.offload)
             progress = None
@@ -166,31 +225,106 @@ def run_task(model, enc, task, lengths, args, ctx):
     return rows
 
 
+def check_args(args):
+    """The arguments that need no file or tokenizer, checked first."""
+    for name in ("segment", "samples", "num_samples", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            flag = "samples_per_length" if name == "samples" else name
+            error(f"--{flag}={getattr(args, name)}: must be >= 1")
+    if not args.temperature >= 0:
+        error(f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)")
+    if args.top_k < 0:
+        error(f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        error(f"--device={args.device}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        error(f"--device={args.device}: no CUDA GPU here: pass --device=cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        error(f"--device={args.device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
+
+
+def read_prompt(prompt):
+    """The prompt text, read from a file for FILE:path."""
+    if not prompt.startswith("FILE:"):
+        return prompt
+    path = prompt[5:]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        error(f"--prompt=FILE:{path}: cannot read it ({e.strerror}): give an existing text file, or the text itself")
+    except UnicodeDecodeError:
+        error(f"--prompt=FILE:{path}: not UTF-8 text: give a text file, or the text itself")
+
+
+def load_haystack(path, enc):
+    """The --haystack text, read once for every test."""
+    try:
+        return Haystack(path, enc)
+    except (OSError, ValueError) as e:  # missing, empty or unreadable
+        why = str(e).rstrip(".")
+        if not why.startswith("--haystack"):  # numpy's or the OS's words: name the file
+            why = f"--haystack {path}: {why}"
+        error(f"{why}: give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for "
+              f"the synthetic filler")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests.")
+    p = argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests "
+                                "(--passkey, --multikey, --vartrack).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out_dir", default="out", help="folder with ckpt.pt from train.py")
     p.add_argument("--ckpt", default=None, help="path to a checkpoint file (overrides --out_dir)")
-    p.add_argument("--prompt", default="\n", help="prompt text, or FILE:path to read it from a file")
-    p.add_argument("--num_samples", type=int, default=1, help="generations to draw")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="1.0 = as trained, < 1 sharper, 0 = greedy")
-    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens only")
-    p.add_argument("--passkey", action="store_true", help="run the passkey retrieval test (DESIGN §6)")
-    p.add_argument("--multikey", action="store_true", help="run the multi-key passkey test")
-    p.add_argument("--vartrack", action="store_true", help="run the 2-hop variable tracking test")
-    p.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens for the tests (up to 64M)")
-    p.add_argument("--samples", type=int, default=10, help="test prompts per length")
-    p.add_argument("--haystack", default=None, help="real text as filler: a folder of .txt books or a .bin from prepare_pg19.py")
-    p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
-    p.add_argument("--segment", type=int, default=16384, help="prefill segment in tokens (memory vs speed)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda, cuda:1, ... (default: %(default)s here; cuda where there is a GPU)")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
-                   choices=["float32", "bfloat16", "float16"], help="autocast dtype on CUDA")
+                   choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype on CUDA (default: %(default)s here; bfloat16 where there is a GPU)")
     p.add_argument("--seed", type=int, default=1337, help="random seed (sampling and test prompts)")
-    p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (default: env DRT_GPT2_RANKS or download)")
+    p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (None: env DRT_GPT2_RANKS or download)")
+    p.add_argument("--segment", type=int, default=16384, help="prefill segment in tokens (memory vs speed)")
+    p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
+    gen = p.add_argument_group("generation (without a test flag)")
+    gen.add_argument("--prompt", default="\n",
+                     help="prompt text, or FILE:path to read it from a file (default: %(default)r)")
+    gen.add_argument("--num_samples", type=int, default=1,
+                     help="generations to draw from the prompt (the tests count prompts with --samples_per_length)")
+    gen.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per generation")
+    gen.add_argument("--temperature", type=float, default=0.8, help="1.0 = as trained, < 1 sharper, 0 = greedy")
+    gen.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens only; 0 = all tokens")
+    test = p.add_argument_group("long-context tests (accuracy per length, one table per test)")
+    test.add_argument("--passkey", action="store_true", help="passkey retrieval: one 5-digit key hidden in filler")
+    test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
+    test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X")
+    test.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens (up to 64M)")
+    # dest "samples": run_task reads args.samples
+    test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
+                      help="test prompts per length and test (not --num_samples, which counts generations)")
+    test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS,
+                      help=argparse.SUPPRESS)  # the old name, hidden
+    test.add_argument("--haystack", default=None,
+                      help="real text as filler: a folder of .txt books or a .bin from prepare_pg19.py "
+                      "(None: a repeated 'The grass is green.' filler)")
     args = p.parse_args(argv)
-    if args.segment < 1 or args.samples < 1:
-        raise SystemExit("sample.py: --segment and --samples must be >= 1")
+
+    # every argument is checked before the checkpoint loads, which can take minutes
+    check_args(args)
+    tasks = [t for t in TASKS if getattr(args, t)]
+    prompt = None if tasks else read_prompt(args.prompt)
+    try:
+        enc = get_tokenizer(args.tokenizer_file)
+    except (OSError, RuntimeError) as e:
+        error(e)
+    haystack = None
+    if tasks:
+        try:
+            lengths = parse_lengths(args.lengths)
+        except ValueError as e:
+            error(e)
+        check_lengths(tasks, lengths, args.samples, args.seed, enc)
+        haystack = load_haystack(args.haystack, enc) if args.haystack else None  # once, for every test
 
     torch.manual_seed(args.seed)
     model, ckpt = load_checkpoint(args.ckpt or args.out_dir, args.device)
@@ -199,27 +333,17 @@ def main(argv=None):
     device_type = "cuda" if "cuda" in args.device else "cpu"
     dtype = getattr(torch, args.dtype)
     ctx = torch.autocast(device_type, dtype=dtype) if device_type == "cuda" and dtype != torch.float32 else nullcontext()
-    try:
-        enc = get_tokenizer(args.tokenizer_file)
-    except (OSError, RuntimeError) as e:
-        raise SystemExit(f"sample.py: {e}")
 
-    tasks = [t for t in TASKS if getattr(args, t)]
     if tasks:
-        lengths = parse_lengths(args.lengths)
         for task in tasks:
-            run_task(model, enc, task, lengths, args, ctx)
+            run_task(model, enc, task, lengths, args, ctx, haystack)
         return
 
-    prompt = args.prompt
-    if prompt.startswith("FILE:"):
-        with open(prompt[5:], encoding="utf-8") as f:
-            prompt = f.read()
     ids = enc.encode_ordinary(prompt) or [enc.eot_token]
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     for _ in range(args.num_samples):
         with ctx:
-            out = model.generate(x, args.max_new_tokens, args.temperature, args.top_k,
+            out = model.generate(x, args.max_new_tokens, args.temperature, args.top_k or None,  # 0: no top-k
                                  state=model.new_state(offload=args.offload), prefill_segment=args.segment)
         print(prompt[-500:] + enc.decode(out[0].tolist()))
         print("-" * 40, flush=True)

@@ -1329,8 +1329,8 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     sample.main([f"--ckpt={ckpt}", "--prompt=Once upon a time", "--max_new_tokens=5", "--device=cpu"])
     out = capsys.readouterr().out
     assert "iter 7" in out and "Once upon a time" in out
-    sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples=2", "--offload",
-                 "--segment=100", "--device=cpu"])
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples_per_length=2",
+                 "--offload", "--segment=100", "--device=cpu"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d%\s+(\d/\d|-)\s", line)]
     assert len(rows) == 4, out  # two lengths x two tasks
@@ -1347,7 +1347,8 @@ def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
     found = {}
     for k in (64, 1):
         ckpt = tiny_checkpoint(tmp_path / f"k{k}.pt", topk=k)
-        sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=2K", "--samples=6", "--segment=700", "--device=cpu"])
+        sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=2K", "--samples_per_length=6", "--segment=700",
+                     "--device=cpu"])
         out = capsys.readouterr().out
         found[k] = re.search(r"^\s+2K\s+6\s+\d+\.\d%\s+(\d+)/(\d+)\s", out, re.M).groups()
     hit, eligible = map(int, found[64])
@@ -1367,6 +1368,147 @@ def test_sample_checkpoint_errors(tmp_path, monkeypatch):
         sample.main([f"--ckpt={tmp_path / 'b.pt'}", "--device=cpu"])
     with pytest.raises(SystemExit, match="lengths"):
         sample.main([f"--ckpt={tmp_path / 'a.pt'}", "--passkey", "--lengths=4Q", "--device=cpu"])
+
+
+# every bad argument is one line, before the checkpoint loads: the --ckpt given does not exist
+BAD_SAMPLE_ARGS = [
+    (["--passkey", "--lengths=0"], r"--lengths: 0 tokens cannot hold .* passkey prompt: use lengths of at least \d+"),
+    (["--multikey", "--lengths=128,10"], r"--lengths: 10 tokens cannot hold .* multikey"),  # before 128 runs
+    (["--vartrack", "--lengths=,"], r"--lengths=',': expected a list"),
+    (["--prompt=FILE:{tmp}/missing.txt"], r"--prompt=FILE:.*missing.txt: cannot read it"),
+    (["--passkey", "--haystack={tmp}/missing"], r"--haystack .*missing: expected a folder"),
+    (["--passkey", "--haystack={tmp}/empty"], r"--haystack .*empty: no .txt files"),
+    (["--passkey", "--haystack={tmp}/short.bin"], r"--haystack .*short.bin: only 10 tokens"),
+    (["--top_k=-1"], r"--top_k=-1: must be >= 0 \(0 = off"),
+    (["--max_new_tokens=0"], r"--max_new_tokens=0: must be >= 1"),
+    (["--temperature=-0.5"], r"--temperature=-0.5: must be >= 0"),
+    (["--num_samples=0"], r"--num_samples=0: must be >= 1"),
+    (["--passkey", "--samples_per_length=0"], r"--samples_per_length=0: must be >= 1"),
+    (["--passkey", "--samples=0"], r"--samples_per_length=0: must be >= 1"),  # the old name still works
+    (["--segment=0"], r"--segment=0: must be >= 1"),
+    (["--device=cuda"], r"--device=cuda: no CUDA GPU here: pass --device=cpu"),
+    (["--device=gpu0"], r"--device=gpu0: expected cpu, cuda or cuda:N"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_SAMPLE_ARGS, ids=[" ".join(a) for a, _ in BAD_SAMPLE_ARGS])
+def test_sample_bad_arguments(argv, message, tmp_path, monkeypatch):
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "empty").mkdir()
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
+        sample.main([f"--ckpt={tmp_path / 'none.pt'}", *argv])
+    assert "\n" not in str(e.value.code)
+
+
+def test_sample_shortest_length(tmp_path, monkeypatch, capsys):
+    """A length too short for a test names the shortest that works, and that one runs."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    for task in ("passkey", "multikey", "vartrack"):
+        argv = [f"--ckpt={ckpt}", f"--{task}", "--samples_per_length=3", "--device=cpu"]
+        with pytest.raises(SystemExit, match="at least") as e:
+            sample.main([*argv, "--lengths=1"])
+        n = int(re.search(r"at least (\d+)$", e.value.code).group(1))
+        with pytest.raises(SystemExit, match=f"{n - 1} tokens cannot hold .* at least {n}$"):
+            sample.main([*argv, f"--lengths={n - 1}"])
+        sample.main([*argv, f"--lengths={n}"])
+        assert re.search(rf"^\s+{n}\s+3\s+\d+\.\d%", capsys.readouterr().out, re.M)
+
+
+def test_sample_haystack_read_once(tmp_path, monkeypatch, capsys):
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("The fox ran over the hill and back again. " * 200)
+    made = []
+
+    class Counted(sample.Haystack):
+        def __init__(self, *a):
+            made.append(a[0])
+            super().__init__(*a)
+
+    monkeypatch.setattr(sample, "Haystack", Counted)
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--passkey", "--vartrack", "--lengths=300",
+                 "--samples_per_length=1", f"--haystack={tmp_path / 'books'}", "--device=cpu"])
+    assert len(made) == 1 and capsys.readouterr().out.count("filler from") == 2  # one read, both tests
+
+
+def test_sample_top_k_zero_is_off(tmp_path, monkeypatch):
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    seen, generate = [], DRT.generate
+    monkeypatch.setattr(DRT, "generate", lambda self, *a, **kw: seen.append(a[3]) or generate(self, *a, **kw))
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Hi", "--max_new_tokens=3", "--top_k=0",
+                 "--device=cpu"])
+    assert seen == [None]  # sample among all tokens
+
+
+@pytest.mark.parametrize("kind", ["text", "empty", "half", "tensor"])
+def test_sample_broken_checkpoint(kind, tmp_path, monkeypatch):
+    """A ckpt.pt cut short or of another kind is a one-line error, not a zip or pickle traceback."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    path = tmp_path / "ckpt.pt"
+    if kind == "tensor":
+        torch.save(torch.zeros(3), path)
+    else:
+        whole = Path(tiny_checkpoint(path)).read_bytes()
+        path.write_bytes({"text": b"not a checkpoint\n", "empty": b"", "half": whole[: len(whole) // 2]}[kind])
+    message = ".* holds a Tensor, not a train.py checkpoint" if kind == "tensor" else "cannot read .* as a checkpoint"
+    with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
+        sample.main([f"--out_dir={tmp_path}", "--prompt=Hi", "--device=cpu"])
+    assert "\n" not in e.value.code
+
+
+def test_sample_help(capsys):
+    import sample
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert e.value.code == 0
+    for flag, default in [("--top_k TOP_K", 200), ("--max_new_tokens MAX_NEW_TOKENS", 200),
+                          ("--segment SEGMENT", 16384), ("--num_samples NUM_SAMPLES", 1), ("--samples_per_length N", 10)]:
+        assert out.split(flag + " ", 1)[1].split("(default: ", 1)[1].startswith(f"{default})"), flag
+    # the two sample counts, told apart; the old name --samples still parses but is not shown
+    assert "--num_samples NUM_SAMPLES generations to draw" in out and "--samples_per_length N test prompts per" in out
+    assert "--samples " not in out and "[--samples " not in out
+    for text in (out, sample.__doc__):
+        assert "DESIGN" not in text and "../shared" not in text
+
+
+# the benchmarks' command lines: with nothing to do, or nothing they can do, they say so and fail
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to do: pass --train, --long or both"),
+    (["--train", "--steps=0"], "--steps=0: must be >= 1"),
+    (["--long", "--lengths=4Q"], "--lengths='4Q': expected a list"),
+    (["--long", "--n_embd=100"], "--n_embd=100: must be a multiple of 64"),
+    (["--train", "--model=n_embd=64"], "--model='n_embd=64': expected a dict"),
+], ids=["nothing to do", "steps", "lengths", "n_embd", "model"])
+def test_bench_usage_errors(argv, message, capsys):
+    import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage:") and f"error: {message}" in err
+
+
+def test_bench_gca_without_gpu(monkeypatch):
+    """No GPU: bench_gca.py fails (nothing was timed) and names the CPU kernel tests, which exist."""
+    import bench_gca
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench_gca.main([])
+    msg = str(e.value.code)
+    assert msg.startswith("bench_gca.py: error: no CUDA GPU") and "test_gca.py" in msg
+    k = re.search(r"python -m pytest -q test_gca.py -k (\w+)$", msg).group(1)
+    assert [n for n in globals() if n.startswith("test_flash_gca") and k in n]  # run on a CPU, not CUDA-only
 
 
 def test_toy_retrieval_runs():
