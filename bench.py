@@ -21,7 +21,7 @@ import torch
 
 import model as drt
 from model import DRT, DRTConfig
-from sample import fmt_len, kv_bytes, parse_lengths, peak_host_gib
+from sample import fmt_len, parse_lengths, peak_host_gib
 from train import peak_flops
 
 
@@ -109,7 +109,7 @@ def bench_long(args, dev):
                 model(x, state=state)
         sync(dev)
         dt = time.time() - t0
-        kv = kv_bytes(state.memory)
+        kv = state.memory.nbytes()
         del state  # before the next length allocates its own memory
         print(f"{fmt_len(L):>7s} | {dt:8.1f} {L / dt:10,.0f} | {peak_gpu_gib(dev):8.2f}G "
               f"{kv / 2**30:9.2f}G {kv / L:8.0f} {peak_host_gib():9.1f}G", flush=True)

@@ -21,7 +21,7 @@ stream, optionally continuing a DecodeState.
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
     logits, loss = model(idx, targets)       # (B, T) text ids -> (B, T, vocab_size), loss
-    state = model.new_state(batch_size=1)    # inference at any length:
+    state = model.new_state()                # inference at any length:
     logits, _ = model(prompt, state=state)   #   prefill (B, 1, vocab_size) ...
     logits, _ = model(next_ids, state=state) #   ... and continue the same stream
 
@@ -310,7 +310,7 @@ def retrieve(q, memory, chunk_ids, cfg, training):
     earlier chunks (of Gumbel-noised scores in training) and weights them from the CLEAN
     scores, through which the retriever gets its gradient. -> idx (B, n, K) int64, w (B, n, K)."""
     noise = training and cfg.gumbel
-    idx, eligible = topk_earlier(q, memory.landmark_blocks(), chunk_ids, cfg.topk, noise)
+    idx, eligible = topk_earlier(q, memory.lm.views(), chunk_ids, cfg.topk, noise)
     r = (upcast(q).unsqueeze(2) * upcast(memory.landmarks_at(idx))).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) r = q.l/sqrt(d), fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return idx, w
@@ -469,22 +469,20 @@ class ChunkEncoder(nn.Module):
         super().__init__()
         self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
-        self.k_mem = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.v_mem = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
         self.n_head = cfg.n_head
-        is_landmark = torch.zeros(cfg.chunk_size, 1, 1, dtype=torch.bool)
+        is_landmark = torch.zeros(cfg.chunk_size, 1, 1, 1, dtype=torch.bool)
         is_landmark[-1] = True
-        self.register_buffer("is_landmark", is_landmark, persistent=False)  # (S, 1, 1)
+        self.register_buffer("is_landmark", is_landmark, persistent=False)  # (S, 1, 1, 1)
 
-    def forward(self, x):  # x (B, n, S, C) -> k, v (B, n, S, H, D), l (B, n, C)
+    def forward(self, x):  # x (B, n, S, C) -> kv (B, n, S, 2, H, D), l (B, n, C)
         B, n, S, C = x.shape
         h = self.ln_in(x.reshape(B * n, S, C))
         for block in self.blocks:
             h = block(h)
         h = self.ln_f(h).view(B, n, S, C)
-        k = self.k_mem(h).unflatten(-1, (self.n_head, C // self.n_head)).masked_fill(self.is_landmark, 0)
-        v = self.v_mem(h).unflatten(-1, (self.n_head, C // self.n_head)).masked_fill(self.is_landmark, 0)
-        return k, v, h[:, :, -1]
+        kv = self.kv_mem(h).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
+        return kv.masked_fill(self.is_landmark, 0), h[:, :, -1]
 
 
 # -----------------------------------------------------------------------------
@@ -512,101 +510,107 @@ class KVRing:
         self.k[:, :, slots], self.v[:, :, slots], self.pos[slots] = k[:, :, -n:].detach(), v[:, :, -n:].detach(), pos[-n:]
 
 
-class ChunkMemory:
-    """The encoded chunks of a stream: keys/values (B, M, S, H, D) and landmarks (B, M, C).
-    Landmarks stay on the compute device, in blocks of LM_BLOCK chunks that are never
-    re-copied (retrieval scores them block by block). With offload=True the keys/values live
-    in host memory (pinned when CUDA is there), also in blocks, 2*S*C*bytes per chunk, and
-    only picked chunks travel to the device: GPU memory then grows by the landmarks alone."""
+class Blocks:
+    """A (B, n, ...) tensor that grows along dim 1 without ever copying what it holds: a list of
+    blocks whose sizes double from `first` rows up to `cap`, on `device` (pinned host memory for
+    device='cpu' when CUDA is there). Appends fill the last block; reads find a row's block."""
 
-    HOST_BLOCK = 1024  # chunks per host block of keys/values
-    LM_BLOCK = 65536  # chunks per device block of landmarks
-
-    def __init__(self, offload):
-        self.offload, self.M = offload, 0
-        self.k = self.v = None  # on-device keys/values with spare capacity (unused when offloading)
-        self.l_blocks, self.l_block = [], self.LM_BLOCK  # landmarks: list of (B, l_block, C)
-        self.host_k, self.host_v = [], []  # offload: list of (B, HOST_BLOCK, S, H, D) host blocks
-
-    @staticmethod
-    def _grow(buf, new, M):  # append along dim 1 into a buffer of doubling capacity: amortised O(1)
-        if buf is None or M + new.size(1) > buf.size(1):
-            cap = max(2 * (0 if buf is None else buf.size(1)), M + new.size(1), 16)
-            grown = new.new_empty(new.size(0), cap, *new.shape[2:])
-            if buf is not None:
-                grown[:, :M] = buf[:, :M]
-            buf = grown
-        buf[:, M : M + new.size(1)] = new
-        return buf
-
-    def append(self, k, v, l):  # k, v (B, n, S, H, D); l (B, n, C)
-        k, v, l = k.detach(), v.detach(), l.detach()  # a stream's memory holds no autograd graph
-        j = 0
-        while j < l.size(1):
-            blk, off = divmod(self.M + j, self.l_block)
-            if blk == len(self.l_blocks):
-                self.l_blocks.append(l.new_empty(l.size(0), self.l_block, l.size(2)))
-            n = min(l.size(1) - j, self.l_block - off)
-            self.l_blocks[blk][:, off : off + n] = l[:, j : j + n]
-            j += n
-        if not self.offload:
-            self.k, self.v = self._grow(self.k, k, self.M), self._grow(self.v, v, self.M)
-        else:
-            j = 0
-            while j < k.size(1):  # device -> pinned host copies, asynchronous; fetch() syncs before reading
-                blk, off = divmod(self.M + j, self.HOST_BLOCK)
-                if blk == len(self.host_k):
-                    shape = (k.size(0), self.HOST_BLOCK, *k.shape[2:])
-                    pin = torch.cuda.is_available()
-                    self.host_k.append(torch.empty(shape, dtype=k.dtype, pin_memory=pin))
-                    self.host_v.append(torch.empty(shape, dtype=v.dtype, pin_memory=pin))
-                n = min(k.size(1) - j, self.HOST_BLOCK - off)
-                self.host_k[blk][:, off : off + n].copy_(k[:, j : j + n], non_blocking=True)
-                self.host_v[blk][:, off : off + n].copy_(v[:, j : j + n], non_blocking=True)
-                j += n
-        self.M += k.size(1)
+    def __init__(self, first, cap, device):
+        self.first, self.cap, self.device = first, cap, torch.device(device)
+        self.pin = self.device.type == "cpu" and torch.cuda.is_available()
+        self.blocks, self.starts, self.n = [], [], 0  # starts[i]: the first row of blocks[i]
 
     @classmethod
-    def of(cls, k, v, l):
+    def of(cls, x):
+        """One block that is x itself (no copy: a training sequence's memory keeps its autograd graph)."""
+        blocks = cls(x.size(1), x.size(1), x.device)
+        blocks.blocks, blocks.starts, blocks.n = [x], [0], x.size(1)
+        return blocks
+
+    def append(self, x):  # x (B, m, ...); device -> pinned host copies run asynchronously
+        j = 0
+        while j < x.size(1):
+            if not self.blocks or self.n == self.starts[-1] + self.blocks[-1].size(1):  # the last block is full
+                size = min(self.first * 2 ** len(self.blocks), self.cap)
+                self.blocks.append(torch.empty(x.size(0), size, *x.shape[2:], dtype=x.dtype, device=self.device,
+                                               pin_memory=self.pin))
+                self.starts.append(self.n)
+            off = self.n - self.starts[-1]
+            m = min(x.size(1) - j, self.blocks[-1].size(1) - off)
+            self.blocks[-1][:, off : off + m].copy_(x[:, j : j + m], non_blocking=True)
+            j, self.n = j + m, self.n + m
+
+    def views(self):
+        """The stored rows, block by block: [(B, rows, ...)]."""
+        return [block[:, : self.n - start] for block, start in zip(self.blocks, self.starts)]
+
+    def take(self, rows):
+        """rows (U,) int64 (on the blocks' device) -> (B, U, ...): one copy per block touched."""
+        blk = torch.searchsorted(torch.tensor(self.starts, device=rows.device), rows, right=True) - 1  # (U,)
+        out = self.blocks[0].new_empty(self.blocks[0].size(0), len(rows), *self.blocks[0].shape[2:],
+                                       pin_memory=self.pin)
+        for b in blk.unique().tolist():
+            at = (blk == b).nonzero().squeeze(1)
+            out[:, at] = self.blocks[b].index_select(1, rows[at] - self.starts[b])
+        return out
+
+    def nbytes(self):
+        """Bytes of the stored rows (the last block's spare rows not counted)."""
+        return self.n * self.blocks[0][:, :1].numel() * self.blocks[0].element_size() if self.blocks else 0
+
+
+class ChunkMemory:
+    """The encoded chunks of a stream: per-token keys and values kv (B, M, S, 2, H, D) and
+    landmarks (B, M, C), in Blocks, so a million chunks are never re-copied as they come.
+    Landmarks stay on the compute device (retrieval scores them block by block). With
+    offload=True the keys/values live in host memory, 2*S*C*bytes per chunk, and only the
+    picked chunks travel to the device: GPU memory grows by the landmarks alone (§3.2)."""
+
+    LM_BLOCKS = (256, 65536)  # landmark blocks: rows of the first block, rows of the largest
+    KV_BLOCKS = (64, 16384)  # key/value blocks: the same, so at 1M chunks a fetch touches <= ~70 blocks
+
+    def __init__(self, device, offload=False):
+        self.offload = offload
+        self.kv = Blocks(*self.KV_BLOCKS, "cpu" if offload else device)
+        self.lm = Blocks(*self.LM_BLOCKS, device)
+
+    @classmethod
+    def of(cls, kv, l):
         """The memory of one training sequence: the encoder's outputs themselves, no copies."""
-        memory = cls(offload=False)
-        memory.k, memory.v, memory.M = k, v, l.size(1)
-        memory.l_blocks, memory.l_block = [l], max(1, l.size(1))
+        memory = cls(l.device)
+        memory.kv, memory.lm = Blocks.of(kv), Blocks.of(l)
         return memory
 
-    def landmark_blocks(self):
-        """The landmarks as consecutive (B, mb, C) blocks: M chunks in all."""
-        return [blk[:, : min(self.l_block, self.M - i * self.l_block)] for i, blk in enumerate(self.l_blocks)]
+    @property
+    def M(self):  # chunks held
+        return self.lm.n
+
+    def append(self, kv, l):  # kv (B, n, S, 2, H, D); l (B, n, C)
+        self.kv.append(kv.detach())  # a stream's memory holds no autograd graph
+        self.lm.append(l.detach())
 
     def landmarks_at(self, idx):
         """l_j of the picks idx (B, n, K) -> (B, n, K, C)."""
-        b = torch.arange(idx.size(0), device=idx.device)[:, None, None].expand_as(idx)
-        if len(self.l_blocks) == 1:
-            return self.l_blocks[0][b, idx]
-        out = self.l_blocks[0].new_empty(*idx.shape, self.l_blocks[0].size(2))
-        blk, off = idx // self.l_block, idx % self.l_block
-        for i, block in enumerate(self.l_blocks):
-            at = blk == i
-            out[at] = block[b[at], off[at]]
-        return out
+        b = torch.arange(idx.size(0), device=idx.device)[:, None, None]  # (B, 1, 1)
+        if len(self.lm.blocks) == 1:  # training: plain indexing, differentiable, no sync
+            return self.lm.blocks[0][b, idx]
+        uniq, inv = torch.unique(idx, return_inverse=True)
+        return self.lm.take(uniq)[b, inv]
 
     def fetch(self, idx):
-        """Keys/values to run GCA with picks idx (B, n, K): -> k_mem, v_mem, idx' on idx's
-        device. On the device: the whole memory and idx itself. Offloaded: just the picked
-        chunks (deduplicated), copied in from pinned memory without blocking the host."""
-        if not self.offload:
-            return self.k[:, : self.M], self.v[:, : self.M], idx
-        uniq, inv = torch.unique(idx.cpu(), return_inverse=True)  # (U,), idx's shape; .cpu() waits for append's copies
-        blk, off = uniq // self.HOST_BLOCK, uniq % self.HOST_BLOCK
-        pin = torch.cuda.is_available()
-        out = []
-        for store in (self.host_k, self.host_v):
-            sel = torch.empty(store[0].size(0), len(uniq), *store[0].shape[2:], dtype=store[0].dtype, pin_memory=pin)
-            for b in blk.unique().tolist():
-                at = (blk == b).nonzero().squeeze(1)
-                sel[:, at] = store[b].index_select(1, off[at])
-            out.append(sel.to(idx.device, non_blocking=True))
-        return out[0], out[1], inv.to(idx.device)
+        """Keys/values to run GCA with picks idx (B, n, K): -> k_mem, v_mem (B, U, S, H, D) and
+        idx' (B, n, K) into them, on idx's device. One block on the device (training, short
+        streams): the block itself and idx. Else just the picked chunks, deduplicated; from host
+        memory they are gathered into pinned memory and copied in without blocking the host."""
+        if len(self.kv.blocks) == 1 and not self.offload:
+            return *self.kv.blocks[0][:, : self.M].unbind(3), idx
+        uniq, inv = torch.unique(idx.to(self.kv.device), return_inverse=True)  # (U,); .cpu() waits for append's copies
+        kv = self.kv.take(uniq).to(idx.device, non_blocking=True)  # (B, U, S, 2, H, D)
+        return *kv.unbind(3), inv.to(idx.device)
+
+    def nbytes(self):
+        """Bytes of chunk keys/values held (host or device): 2 * S * C elements per chunk."""
+        return self.kv.nbytes()
 
 
 class DecodeState:
@@ -615,12 +619,12 @@ class DecodeState:
     it stores detached tensors, so no autograd graph outlives a call and memory stays
     O(W + chunks) however long the stream runs with gradients enabled."""
 
-    def __init__(self, cfg, offload=False, start_pos=0):
+    def __init__(self, cfg, device, offload=False, start_pos=0):
         self.n = 0  # positions processed so far, landmarks included; chunk c holds n in [cS, cS+S)
         self.start_pos = start_pos  # absolute position of the first slot: ALiBi uses only differences
         self.rings = [KVRing(cfg.window) for _ in range(cfg.n_lower + cfg.n_upper)]
         self.chunk_buf = None  # (B, n % S, C) last-lower-layer states of the unfinished chunk
-        self.memory = ChunkMemory(offload)
+        self.memory = ChunkMemory(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.fetched = [None] * len(cfg.groups)  # offload: per group, picks[g]'s chunks already on the device
 
@@ -653,11 +657,10 @@ class DRT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied embedding counted once
 
-    def new_state(self, batch_size=None, offload=False, start_pos=0):
-        """A fresh stream for incremental decoding / segmented prefill. offload=True keeps
-        the chunk keys/values in host memory (§3.2 of the paper). batch_size is implied by the first
-        forward; the argument is accepted for readability."""
-        return DecodeState(self.config, offload, start_pos)
+    def new_state(self, offload=False, start_pos=0):
+        """A fresh stream for incremental decoding / segmented prefill (its batch size is the
+        first forward's). offload=True keeps the chunk keys/values in host memory (§3.2)."""
+        return DecodeState(self.config, self.wte.weight.device, offload, start_pos)
 
     def layout(self, idx, n0):
         """Insert landmarks (§3.1 of the paper). idx (B, T) text ids continuing a stream that has
@@ -732,7 +735,7 @@ class DRT(nn.Module):
         n_done = buf.size(1) // S  # chunks finished here = landmarks in this segment
         kvl = self.encoder(buf[:, : n_done * S].view(B, n_done, S, C)) if n_done else None
         if state is None:
-            memory = ChunkMemory.of(*kvl) if n_done else ChunkMemory(offload=False)
+            memory = ChunkMemory.of(*kvl) if n_done else ChunkMemory(x.device)
         else:
             # a copy: a view would keep the whole segment (and its graph) alive until the chunk completes
             memory, state.chunk_buf = state.memory, buf[:, n_done * S :].detach().clone()
@@ -766,7 +769,7 @@ class DRT(nn.Module):
             if state is not None and n_done:
                 state.picks[g] = (new_idx[:, -1:], new_w[:, -1:].detach())
                 if memory.offload:  # prefetch: the copy runs while this call finishes; the next S tokens reuse it
-                    state.fetched[g] = memory.fetch(state.picks[g][0])[:3]
+                    state.fetched[g] = memory.fetch(state.picks[g][0])
         return x
 
     # -------------------------------------------------------------------------
@@ -797,7 +800,7 @@ class DRT(nn.Module):
         """Continue idx (B, T) by max_new_tokens, one token per step, with O(W) self-attention
         caches and the chunk memory (§3.2 of the paper). The prompt is prefilled in segments of
         prefill_segment tokens. Returns (B, max_new_tokens) new ids."""
-        state = state if state is not None else self.new_state(idx.size(0))
+        state = state if state is not None else self.new_state()
         for s in range(0, idx.size(1), prefill_segment):
             logits, _ = self(idx[:, s : s + prefill_segment], state=state)
         out = []

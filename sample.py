@@ -121,12 +121,6 @@ def fmt_len(n):
     return str(n)
 
 
-def kv_bytes(memory):
-    """Bytes of chunk keys/values a stream holds (host or device): 2 * S * C elements per chunk."""
-    kv = memory.host_k[0] if memory.host_k else memory.k
-    return 0 if kv is None else memory.M * 2 * kv[0, 0].numel() * kv.element_size()
-
-
 def peak_host_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
@@ -212,7 +206,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
             if picks and need is not None and need < last - 1:
                 eligible += 1
                 found += any(bool((((idx == need) | (idx == need + 1)) & (w > 0)).any()) for idx, w in picks)
-            kv = kv_bytes(state.memory)
+            kv = state.memory.nbytes()
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
         gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")

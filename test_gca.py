@@ -125,7 +125,7 @@ def test_retrieval_weights_use_clean_scores():
     B, M, C = 2, 30, cfg.n_embd
     landmarks, q = torch.randn(B, M, C), torch.randn(B, M, C)
     chunk_ids = torch.arange(M)
-    memory = ChunkMemory.of(None, None, landmarks)
+    memory = ChunkMemory.of(torch.zeros(B, M, 1, 2, 1, 1), landmarks)  # only the landmarks matter here
     idx, w = retrieve(q, memory, chunk_ids, cfg, training=True)
     clean_idx, _ = retrieve(q, memory, chunk_ids, cfg, training=False)
     assert not torch.equal(idx, clean_idx), "Gumbel noise changed no pick"
@@ -418,7 +418,7 @@ def test_state_holds_no_graph():
         logits, _ = model(seg, state=state)
         assert logits.grad_fn is not None  # the call itself is differentiable
     m = state.memory
-    held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.l_blocks + [m.k, m.v, state.chunk_buf]
+    held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.lm.blocks + m.kv.blocks + [state.chunk_buf]
     held += [t for p in state.picks for t in p]
     assert all(t is not None and t.grad_fn is None and not t.requires_grad for t in held)
     buf = state.chunk_buf
@@ -449,17 +449,20 @@ def test_segmented_prefill_equals_one_shot(offload):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
 
 
-def test_landmark_blocks(monkeypatch):
-    """Landmarks stored in many small device blocks (as at 16M tokens, in blocks of 65536)
-    give the same decoding as one block: block boundaries are invisible to retrieval."""
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_memory_blocks(monkeypatch, offload):
+    """Landmarks and keys/values stored in many small growing blocks (as at 16M tokens, with
+    blocks of thousands of chunks) give the same decoding as one block: block boundaries are
+    invisible to retrieval and to the fetch of the picked chunks."""
     model = tiny_model(groups=(1, 1)).eval()
     idx = tokens(model.config, 2, 120, seed=17)
     with torch.no_grad():
         full = all_logits(model, idx)
-        monkeypatch.setattr(ChunkMemory, "LM_BLOCK", 3)
-        state = model.new_state()
+        monkeypatch.setattr(ChunkMemory, "LM_BLOCKS", (1, 3))
+        monkeypatch.setattr(ChunkMemory, "KV_BLOCKS", (2, 4))
+        state = model.new_state(offload=offload)
         parts = [all_logits(model, idx[:, a:b], state) for a, b in [(0, 50), (50, 51), (51, 120)]]
-    assert len(state.memory.l_blocks) > 4
+    assert len(state.memory.lm.blocks) > 4 and len(state.memory.kv.blocks) > 4
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
 
 
@@ -515,7 +518,7 @@ def test_cuda_offload_equals_device(dtype):
             assert rel_err(parts, full[:, :690]) < tol, offload
             steps = torch.cat([m(idx[:, t : t + 1], state=state)[0] for t in range(690, 720)], 1).float()
             assert rel_err(steps, full[:, 690:]) < tol, offload
-        assert state.memory.host_k and state.memory.host_k[0].is_pinned()
+        assert state.memory.kv.blocks[0].is_pinned() and state.memory.kv.device.type == "cpu"
 
 
 @cuda
