@@ -40,21 +40,29 @@ def reset_peak(dev):
         torch.cuda.reset_peak_memory_stats()
 
 
+TRAIN_CASES = [  # (name, DRTConfig changes, GCA implementation, torch.compile)
+    ("DRT x1", dict(groups=(6,)), "triton", True),
+    ("DRT x1", dict(groups=(6,)), "triton", False),
+    ("DRT x2", dict(groups=(3, 3)), "triton", True),
+    ("baseline", dict(n_lower=12, groups=()), "-", True),
+    ("baseline", dict(n_lower=12, groups=()), "-", False),
+]
+
+
 def bench_train(args, dev):
     peak = peak_flops(dev)  # train.py's table of dense bf16 peaks by GPU name
-    cases = [("DRT x1", dict(groups=(6,)), "triton"), ("DRT x1", dict(groups=(6,)), "torch"),
-             ("DRT x2", dict(groups=(3, 3)), "triton"), ("baseline", dict(n_lower=12, groups=()), "-")]
-    head = f"{'model':10s} {'GCA':>6s} {'params':>8s} {'B x T':>10s} | {'ms/step':>8s} {'tok/s':>9s} {'MFU':>6s} {'peak mem':>9s}"
+    head = (f"{'model':10s} {'GCA':>6s} {'compile':>7s} {'params':>8s} {'B x T':>11s} | {'ms/step':>8s} {'tok/s':>9s} "
+            f"{'MFU':>6s} {'peak mem':>9s}")
     print(head + "\n" + "-" * len(head))
-    for name, kw, impl in cases:
-        if impl == "triton" and dev.type != "cuda":
+    for name, kw, impl, compiled in TRAIN_CASES:
+        if dev.type != "cuda" and (impl == "triton" or compiled):
             continue
         drt.GCA_IMPL = impl if impl != "-" else "auto"
         torch.manual_seed(0)
-        model = DRT(DRTConfig(**kw, **args.model)).to(dev)
-        opt = model.configure_optimizers(1e-3, 1e-4, (0.9, 0.95), dev.type)
-        x = torch.randint(0, 50257, (args.batch_size, args.block_size), device=dev)
-        reset_peak(dev)
+        raw = DRT(DRTConfig(**kw, **args.model)).to(dev)
+        model = torch.compile(raw) if compiled else raw
+        opt = raw.configure_optimizers(1e-3, 1e-4, (0.9, 0.95), dev.type)
+        x = torch.randint(0, raw.config.landmark_id, (args.batch_size, args.block_size), device=dev)
 
         def step():
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -63,28 +71,31 @@ def bench_train(args, dev):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        label = f"{name:10s} {impl:>6s} {'yes' if compiled else 'no':>7s}"
         try:
-            for _ in range(2):  # warm-up: kernel compilation, allocator
+            t0 = time.time()
+            for _ in range(3):  # warm-up: compilation, autotuning, the allocator
                 step()
             sync(dev)
+            warm = time.time() - t0
+            reset_peak(dev)
             t0 = time.time()
             for _ in range(args.steps):
                 step()
             sync(dev)
         except torch.cuda.OutOfMemoryError:
-            print(f"{name:10s} {impl:>6s} out of memory at batch {args.batch_size}")
-            del model, opt
-            torch.cuda.empty_cache()
+            print(f"{label} out of memory at batch {args.batch_size}", flush=True)
             continue
-        n_params = model.num_params()
+        finally:
+            del model, opt
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         dt = (time.time() - t0) / args.steps
         tok_s = args.batch_size * args.block_size / dt
-        mfu = f"{100 * model.flops_per_token() * tok_s / peak:5.1f}%" if peak else "  n/a"
-        print(f"{name:10s} {impl:>6s} {n_params / 1e6:7.1f}M {args.batch_size:>3d} x {args.block_size:<5d}"
-              f" | {1000 * dt:8.1f} {tok_s:9,.0f} {mfu:>6s} {peak_gpu_gib(dev):8.1f}G", flush=True)
-        del model, opt
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        mfu = f"{100 * raw.flops_per_token() * tok_s / peak:5.1f}%" if peak else "  n/a"
+        print(f"{label} {raw.num_params() / 1e6:7.1f}M {args.batch_size:>3d} x {args.block_size:<6d}"
+              f" | {1000 * dt:8.1f} {tok_s:9,.0f} {mfu:>6s} {peak_gpu_gib(dev):8.1f}G   (warm-up {warm:.0f}s)", flush=True)
+        del raw
     drt.GCA_IMPL = "auto"
 
 

@@ -69,8 +69,8 @@ def load_checkpoint(path, device):
 
 
 def prefill(model, ids, state, segment, progress=None):
-    """Feed ids (list of ints) through the model in segments; returns the last logits (1, 1, V)."""
-    x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    """Feed ids (a sequence of ints) through the model in segments; returns the last logits (1, 1, V)."""
+    x = torch.as_tensor(np.asarray(ids), dtype=torch.long)[None].to(next(model.parameters()).device)
     t0, last = time.time(), time.time()
     for s in range(0, len(ids), segment):
         logits, _ = model(x[:, s : s + segment], state=state)
@@ -130,13 +130,13 @@ def prompt_seed(seed, task, L, i):
     return f"{seed}-{task}-{L}-{i}"
 
 
-def prompt_room(task, seed, enc):
+def prompt_room(task, seed, enc, align=None):
     """Tokens that the needles and question of the test prompt drawn with random.Random(seed)
     take: the shortest length make_example accepts for it. Only short lengths are tried, so no
     long filler is built; the room does not depend on the length (the needles are drawn first)."""
     def fits(n):
         try:
-            make_example(task, n, random.Random(seed), enc)
+            make_example(task, n, random.Random(seed), enc, align=align)
             return True
         except ValueError:  # too short for the needles and question
             return False
@@ -149,16 +149,16 @@ def prompt_room(task, seed, enc):
     return lo
 
 
-def check_lengths(tasks, lengths, samples, seed, enc):
+def check_lengths(tasks, lengths, samples, seed, enc, align=None):
     """Every test prompt must hold its needles and question: a length too short for the prompts
     run_task will draw is an error now, before the model loads, naming the shortest that works."""
     for task in tasks:
         # prompts differ by a few tokens (multikey: 62 to 69); no length below the longest of 64
         # probes passes, so that whether a length passes does not hang on the luck of its seeds
-        floor = max(prompt_room(task, i, enc) for i in range(64))
+        floor = max(prompt_room(task, i, enc, align) for i in range(64))
 
         def ok(L):  # every prompt run_task draws at length L fits
-            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc) <= L
+            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc, align) <= L
                                       for i in range(samples))
 
         for L in lengths:
@@ -174,8 +174,10 @@ def check_lengths(tasks, lengths, samples, seed, enc):
 def run_task(model, enc, task, lengths, args, ctx, haystack=None):
     """Accuracy of `task` at each context length; prints one table row per length."""
     device = next(model.parameters()).device
+    align = None if args.no_align else model.config.chunk_size - 1
     print(f"\n{task}: {args.samples} samples per length, {'offloaded' if args.offload else 'on-device'} memory, "
-          f"filler {'from ' + args.haystack if haystack else 'sentences'}")
+          f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
+          f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}")
     header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'s/sample':>9} {'peak GPU':>9} "
               f"{'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
@@ -186,7 +188,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
         correct, t0, kv, eligible, found = 0, time.time(), 0, 0, 0
         for i in range(args.samples):
             rng = random.Random(prompt_seed(args.seed, task, L, i))  # same prompts for every model and run
-            prompt, answer = make_example(task, L, rng, enc, haystack)
+            prompt, answer = make_example(task, L, rng, enc, haystack, align=align)
             state = model.new_state(offload=args.offload)
             progress = None
             if L >= 2**18:
@@ -298,6 +300,9 @@ def main(argv=None):
                       help="test prompts per length and test (not --num_samples, which counts generations)")
     test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS,
                       help=argparse.SUPPRESS)  # the old name, hidden
+    test.add_argument("--no_align", action="store_true",
+                      help="do not cut prompts so that the question's last token opens a chunk (the default "
+                      "format, as in training: then the landmark before the answer has read the question)")
     test.add_argument("--haystack", default=None,
                       help="real text as filler: a folder of .txt books or a .bin from prepare_pg19.py "
                       "(None: a repeated 'The grass is green.' filler)")
@@ -329,6 +334,8 @@ def main(argv=None):
     ctx = torch.autocast(device_type, dtype=dtype) if device_type == "cuda" and dtype != torch.float32 else nullcontext()
 
     if tasks:
+        if not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
+            check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1)
         for task in tasks:
             run_task(model, enc, task, lengths, args, ctx, haystack)
         return

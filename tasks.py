@@ -1,21 +1,27 @@
 """
-Synthetic long-context tasks (DESIGN §6), shared by training (train.py --dataset=passkey)
-and evaluation (sample.py --passkey):
+Synthetic long-context tasks, shared by training (train.py --dataset=passkey) and evaluation
+(sample.py --passkey), in the format of the paper's needle-in-a-haystack tests (Appendix D):
 
   passkey   "The pass key is 71432. Remember it. 71432 is the pass key." hidden at a random
             depth in filler; asked at the end: "What is the pass key? The pass key is"
-  multikey  several "The pass key of <name> is <number>." needles; asked for one of them
+  multikey  four "The pass key of <name> is <number>." needles; asked for one of them
   vartrack  2-hop variable tracking (RULER): "VAR X = 12345." ... "VAR Y = X." ... asked for Y
 
 Filler is the classic repeated "The grass is green. ..." or, with a Haystack, real book text.
-Everything works in token space, so a prompt has exactly the requested number of tokens.
+Everything works in token space (numpy arrays of GPT-2 ids), so a prompt has an exact length.
+
+Question alignment (align=T, the model's text tokens per chunk): the prompt is cut so that its
+last token (" is") opens a chunk. The retrieval that serves a chunk is made at the landmark of
+the chunk before it; aligned, that landmark sits right after "... The pass key" and has read
+the question, so retrieval knows what is asked (the paper pads its prompts the same way, so a
+landmark falls before "is"). Unaligned, the landmark before the answer saw only part of the
+question, or none of it.
 
     from tasks import make_example, get_batch
-    prompt, answer = make_example("passkey", 4096, random.Random(0), enc)
+    prompt, answer = make_example("passkey", 4096, random.Random(0), enc, align=63)
 """
 
 import os
-import random
 
 import numpy as np
 import torch
@@ -48,26 +54,25 @@ class Haystack:
             raise ValueError(f"--haystack {path}: only {len(self.tokens)} tokens of text")
 
     def sample(self, n, rng):
-        """n consecutive tokens from a random place (wrapping around the end)."""
+        """n consecutive tokens from a random place (wrapping around the end), int64 (n,)."""
         start = rng.randrange(len(self.tokens))
-        out = np.asarray(self.tokens[start : start + n], dtype=np.int64)
-        while len(out) < n:
-            out = np.concatenate([out, np.asarray(self.tokens[: n - len(out)], dtype=np.int64)])
-        return out.tolist()
+        reps = -(-(start + n) // len(self.tokens))
+        if reps == 1:
+            return np.asarray(self.tokens[start : start + n], dtype=np.int64)
+        return np.resize(np.asarray(self.tokens, dtype=np.int64), reps * len(self.tokens))[start : start + n]
 
 
-def _filler(n, rng, enc, haystack):
-    if n <= 0:
-        return []
+def filler(n, rng, enc, haystack=None):
+    """n tokens of filler (int64 (n,)): the repeated sentences from a random point in their
+    cycle, or n consecutive tokens of the haystack."""
     if haystack is not None:
         return haystack.sample(n, rng)
-    unit = enc.encode_ordinary(FILLER)
-    reps = -(-n // len(unit)) + 1
-    offset = rng.randrange(len(unit))  # start anywhere in the sentence cycle
-    return (unit * reps)[offset : offset + n]
+    unit = np.array(enc.encode_ordinary(FILLER), dtype=np.int64)
+    offset = rng.randrange(len(unit))
+    return np.resize(unit, offset + n)[offset:]
 
 
-def _needles_and_question(task, rng):
+def needles_and_question(task, rng):
     """-> (needle texts in order of appearance, question text, answer text)."""
     if task == "passkey":
         key = str(rng.randrange(10000, 100000))
@@ -87,42 +92,52 @@ def _needles_and_question(task, rng):
     raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
 
 
-def make_example(task, length, rng, enc, haystack=None, answer_counts=False, min_depth=0):
-    """A prompt of exactly `length` tokens (filler with the needles at random depths, none
-    before token min_depth, the question at the end) and the answer's tokens; with
-    answer_counts=True, prompt and answer together have `length` tokens. rng: random.Random."""
-    needles, question, answer = _needles_and_question(task, rng)
-    needles = [enc.encode_ordinary(t) for t in needles]
-    question, answer = enc.encode_ordinary(question), enc.encode_ordinary(answer)
-    n_fill = length - len(question) - sum(map(len, needles)) - (len(answer) if answer_counts else 0)
-    if n_fill < 0:
+def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None):
+    """A prompt of `length` tokens (filler with the needles at random depths, none before token
+    min_depth, the question at the end) and the answer's token ids (a list). With align=T the
+    prompt is cut to the longest length <= `length` whose last token opens a chunk of T text
+    tokens (length - 1 a multiple of T): at most T-1 tokens shorter. rng: random.Random."""
+    needles, question, answer = needles_and_question(task, rng)
+    needles = [np.array(enc.encode_ordinary(t), dtype=np.int64) for t in needles]
+    question, answer = np.array(enc.encode_ordinary(question), dtype=np.int64), enc.encode_ordinary(answer)
+    if align:
+        length -= (length - 1) % align
+    n_fill = length - len(question) - sum(map(len, needles))
+    if n_fill < 0 or length < 1:
         raise ValueError(f"length {length} is too short for a {task} prompt (needs {length - n_fill} tokens)")
     if min_depth > n_fill:
         raise ValueError(f"length {length} is too short for a {task} prompt with needles from token {min_depth}")
     cuts = sorted(rng.randrange(min_depth, n_fill + 1) for _ in needles)  # needle depths, in order
-    filler = _filler(n_fill, rng, enc, haystack)
-    prompt, last = [], 0
+    fill = filler(n_fill, rng, enc, haystack)
+    parts, last = [], 0
     for cut, needle in zip(cuts, needles):
-        prompt += filler[last:cut] + needle
+        parts += [fill[last:cut], needle]
         last = cut
-    prompt += filler[last:] + question
-    return prompt, answer
+    return np.concatenate(parts + [fill[last:], question]), answer
 
 
-def get_batch(task, batch_size, seq_len, rng, enc, haystack=None, answer_only=True, min_depth=0):
-    """A training batch: x, y (B, seq_len) int64, each row a prompt followed by its answer.
-    y holds the next token at every position, or with answer_only=True only at the answer's
-    (-1, ignored, elsewhere). A model trained from scratch needs the loss everywhere: the
-    repeated filler and the key's second mention teach it to copy, which retrieval then
-    carries over any distance; the answer alone is too thin a signal to start from."""
+def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, answer_only=False,
+              min_depth=0, align=None):
+    """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
+    a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
+    real text from the haystack with probability haystack_frac (else the repeated sentences).
+    y is the next token everywhere, or with answer_only=True only at the answer's positions
+    (-1 elsewhere). From scratch a model needs the loss everywhere (the filler and the key's
+    second mention teach it to copy); after pre-training on text either works."""
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
     y = torch.empty(batch_size, seq_len, dtype=torch.long)
     for b in range(batch_size):
-        prompt, answer = make_example(task, seq_len + 1, rng, enc, haystack, answer_counts=True, min_depth=min_depth)
-        row = torch.tensor(prompt + answer)  # seq_len + 1 tokens
+        task = rng.choice(tasks)
+        hs = haystack if haystack is not None and rng.random() < haystack_frac else None
+        # the longest answer (5 digits: at most 5 tokens) must fit in the row after the prompt
+        prompt, answer = make_example(task, seq_len + 1 - 5, rng, enc, hs, min_depth, align)
+        row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
+        row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]
-        if answer_only:
-            y[b, : len(prompt) - 1] = -1  # the question's last token predicts the first answer token
+        if answer_only:  # the question's last token predicts the first answer token
+            y[b, : len(prompt) - 1] = -1
+            y[b, len(prompt) - 1 + len(answer) :] = -1
     return x, y
 
 

@@ -1,0 +1,32 @@
+# Stage 2 of the passkey recipe: fine-tune the PG19 model of config/passkey_pretrain.py on the
+# synthetic passkey task (tasks.py), then test it far beyond its 1,008-token training length.
+#   python train.py config/passkey_pretrain.py
+#   python train.py config/passkey_finetune.py
+#   python sample.py --out_dir=out-passkey --passkey --lengths=1K,4K,32K,256K,1M --offload
+#   python sample.py --out_dir=out-passkey --passkey --lengths=1M --offload --haystack=data/pg19/test.bin
+# Half the prompts hide the key in PG19 training books, half in the repeated "The grass is
+# green." filler: against the filler alone the retriever only learns to find the one chunk that
+# is not filler, and fails among real sentences. The question is aligned so that the landmark
+# whose retrieval serves the answer has read it (task_align). Needles stay out of the first 256
+# tokens, whose chunks are told apart by having no past. The loss is on every token: the
+# filler's copies keep copying in practice, and the answer is scored alone in evaluation.
+out_dir = "out-passkey"
+init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
+dataset = "passkey"  # or "passkey,multikey,vartrack": one task drawn per prompt
+task_haystack = "data/pg19/train.bin"
+task_haystack_frac = 0.5
+task_align = True
+task_min_depth = 256
+task_loss = "all"
+eval_interval = 1000
+eval_iters = 4
+log_interval = 100
+
+block_size = 1008
+batch_size = 64
+tokens_per_step = 0
+
+learning_rate = 2e-3
+min_lr = 2e-4
+warmup_frac = 0.05
+max_iters = 3000
