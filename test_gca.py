@@ -17,6 +17,8 @@ import json
 import math
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -1237,6 +1239,10 @@ def test_setup_errors(tmp_path):
         train.main([*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'out'}"])
     with pytest.raises(train.ConfigError, match=r"val.bin has 1,000 tokens, fewer than block_size\+1=1,009; lower --block_size"):
         train.main(tiny_args(tmp_path, "out", "--block_size=1008"))
+    os.remove(tmp_path / "data" / "val.bin")  # a preparation that did not finish: say so, not "lower --block_size"
+    with pytest.raises(train.ConfigError, match=r"val.bin not found, but .*meta.json is: the preparation did not finish; "
+                                                r"run it again, e.g. python prepare_pg19.py"):
+        train.main([*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"])
     with pytest.raises(train.ConfigError, match=r"tokens_per_step=100 is not a multiple of batch_size\*block_size\*GPUs"):
         train.main(tiny_args(tmp_path, "out", "--tokens_per_step=100"))
     with pytest.raises(train.ConfigError, match=r"gives fewer than 3 chunks"):
@@ -1244,7 +1250,9 @@ def test_setup_errors(tmp_path):
     with pytest.raises(train.ConfigError, match=r"landmark_id=95 must lie above them"):
         train.main([*TINY, f"--data_dir={tiny_dataset(tmp_path / 'big', vocab=200)}", f"--out_dir={tmp_path / 'out'}"])
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(train.ConfigError, match=r"is not writable .*: pass --out_dir="):
+    with pytest.raises(train.ConfigError, match=r"out_dir .*a_file is a file, not a folder: pass --out_dir=<folder>"):
+        train.main(tiny_args(tmp_path, "a_file"))
+    with pytest.raises(train.ConfigError, match=r"out_dir .*a_file/out: .*a_file is a file, not a folder"):
         train.main(tiny_args(tmp_path, "a_file/out"))
     with pytest.raises(train.ConfigError, match=r"no checkpoint at .*ckpt.pt: use --init_from=scratch"):
         train.main(tiny_args(tmp_path, "empty", "--init_from=resume"))
@@ -1279,6 +1287,249 @@ def test_finetune_from_checkpoint(tmp_path):
         train.main(tiny_args(tmp_path, "ft2", f"--init_from={tmp_path / 'nowhere'}"))
     with pytest.raises(train.ConfigError, match=r"would be overwritten by this run's own checkpoint"):
         train.main(tiny_args(tmp_path, "base", f"--init_from={tmp_path / 'base'}"))
+    with pytest.raises(train.ConfigError, match=rf"checkpoint {re.escape(str(tmp_path / 'base' / 'ckpt.pt'))} has "
+                                                r"n_embd=32, the config asks 64"):  # the file it read, not ft3's
+        train.main(tiny_args(tmp_path, "ft3", f"--init_from={tmp_path / 'base'}", "--n_embd=64"))
+
+
+
+def test_out_dir_with_a_checkpoint(tmp_path):
+    """A run from scratch or a fine-tune into an out_dir that holds a checkpoint stops before it
+    changes anything, unless told --overwrite=True; the last step is saved even when val never
+    improved, so out_dir ends up holding this run and not the one it replaced."""
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    train.main(tiny_args(tmp_path, "base", "--max_iters=1", "--eval_interval=1", "--eval_iters=1", "--seed=1"))
+    before = (tmp_path / "run" / "ckpt.pt").read_bytes()
+    for init in ("scratch", tmp_path / "base"):
+        with pytest.raises(train.ConfigError, match=r"run/ckpt.pt at step 1 exists: continue that run with "
+                                                    r"--init_from=resume, replace it with --overwrite=True"):
+            train.main(tiny_args(tmp_path, "run", f"--init_from={init}", "--max_iters=2"))
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
+    # learning rate 0: val at step 2 equals val at step 0, never better; always_save_checkpoint=False saves the last step
+    train.main(tiny_args(tmp_path, "run", "--overwrite=True", "--always_save_checkpoint=False", "--max_iters=2",
+                         "--eval_interval=1", "--learning_rate=0", "--min_lr=0"))
+    ckpt = load_ckpt(tmp_path / "run")
+    assert ckpt["iter_num"] == 2 and ckpt["config"]["learning_rate"] == 0
+    assert json.loads((tmp_path / "run" / "ckpt.json").read_text())["val_loss"] == ckpt["best_val_loss"]
+
+
+def test_resume_restores_config(tmp_path, capsys):
+    """--init_from=resume with nothing but out_dir continues with the checkpoint's config (data,
+    model, schedule, device): a run in pieces equals one run. Keys given now are applied and
+    printed; stop_iter says what this command does, so it is not restored."""
+    full = train.main(tiny_args(tmp_path, "full", "--max_iters=4", "--eval_interval=2"))
+    first = train.main(tiny_args(tmp_path, "split", "--max_iters=4", "--eval_interval=2", "--stop_iter=2"))
+    capsys.readouterr()
+    rest = train.main([f"--out_dir={tmp_path / 'split'}", "--init_from=resume"])
+    assert "resume:" not in capsys.readouterr().out
+    assert first + rest == full and [it for it, _ in full] == [1, 2, 3, 4]
+    more = train.main([f"--out_dir={tmp_path / 'split'}", "--init_from=resume", "--max_iters=5", "--log_interval=1"])
+    out = capsys.readouterr().out
+    assert [it for it, _ in more] == [5]
+    assert re.findall(r"^resume: .*$", out, re.M) == ["resume: max_iters 4 -> 5 (given now)"]
+    c = load_ckpt(tmp_path / "split")["config"]
+    assert c["max_iters"] == 5 and c["block_size"] == 35 and c["n_embd"] == 32 and c["data_dir"] == str(tmp_path / "data")
+
+
+def test_bad_checkpoint_files(tmp_path):
+    """A truncated, foreign or not-resumable ckpt.pt: one line that says so, for resume and fine-tune."""
+    import argparse
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    good = (tmp_path / "run" / "ckpt.pt").read_bytes()
+    os.makedirs(tmp_path / "bad")
+    bad = tmp_path / "bad" / "ckpt.pt"
+    cases = [
+        (good[: len(good) // 2], r"is truncated or not a torch checkpoint"),
+        (b"", r"is truncated or not a torch checkpoint"),
+        ({"model": argparse.Namespace(), "model_args": {}}, r"holds Python objects a train.py checkpoint never has"),
+        ({"weight": torch.zeros(2)}, r"is not a train.py checkpoint \(no model_args/model\)"),
+    ]
+    for content, message in cases:
+        if isinstance(content, bytes):
+            bad.write_bytes(content)
+        else:
+            torch.save(content, bad)
+        with pytest.raises(train.ConfigError, match=message + r".*: start over with --init_from=scratch") as e:
+            train.main(tiny_args(tmp_path, "bad", "--init_from=resume"))
+        assert "\n" not in str(e.value)
+        with pytest.raises(train.ConfigError, match=message + r".*: point --init_from at a train.py ckpt.pt"):
+            train.main(tiny_args(tmp_path, "ft", f"--init_from={bad}"))
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt")
+    torch.save({"model": ckpt["model"], "model_args": ckpt["model_args"]}, bad)  # weights alone: a fine-tune can use it
+    with pytest.raises(train.ConfigError, match=r"has no best_val_loss, config, iter_num, optimizer: train.py cannot "
+                                                r"resume it; fine-tune from it with --init_from="):
+        train.main(tiny_args(tmp_path, "bad", "--init_from=resume"))
+
+
+def test_cpu_warning_and_progress(tmp_path, monkeypatch, capsys):
+    """A config that takes minutes a step on a CPU says so before it starts, and a step or an
+    evaluation that runs long says how far it got (here: 'long' made 0 s, and the CPU slow)."""
+    args = tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--tokens_per_step=140")
+    train.main(args)
+    out = capsys.readouterr().out
+    assert not re.search(r"^warning:|micro-batch", out, re.M)  # a tiny run: quiet
+    monkeypatch.setattr(train, "PROGRESS_AFTER", -1)
+    monkeypatch.setattr(train, "CPU_FLOPS", 1e3)
+    train.main([*args, "--overwrite=True"])
+    out = capsys.readouterr().out
+    flops = DRT(DRTConfig(**{k: train.parse_config(args)[0][k] for k in train.MODEL_KEYS})).flops_per_token()
+    step = prepare_pg19._fmt_time(flops * 140 / 1e3)
+    assert re.search(rf"^warning: 0.0\d+M parameters x 140 tokens per step on a CPU: one step takes ~{step}, one "
+                     r"evaluation ~\w+ \(at 1e-06 GFLOP/s\); for a first run use config/quickstart.py$", out, re.M), out
+    assert re.search(r"^step 1: micro-batch 1/2 done after 0m\d\ds$", out, re.M)
+    assert re.search(r"^eval val: micro-batch 2/2 done after 0m\d\ds$", out, re.M)
+
+
+def start_run(cmd, pid_files=(), timeout=90):
+    """Popen cmd in a session of its own (so a signal can go to the group, as a terminal's Ctrl-C
+    does), killed after timeout seconds whatever happens, so a hung run cannot hang the tests."""
+    proc = subprocess.Popen(cmd, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "6"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc.pid_files = pid_files
+    proc.killer = threading.Timer(timeout, end_run, [proc])
+    proc.killer.daemon = True
+    proc.killer.start()
+    return proc
+
+
+def end_run(proc):
+    """Kill what is left of proc's session, and of the sessions of torchrun's workers (pid_files)."""
+    proc.killer.cancel()
+    for pid in [proc.pid] + [int(f.read_text()) for f in proc.pid_files if f.exists()]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def read_until(stream, pattern):
+    """The lines of stream up to the first that matches pattern (all of them if none does)."""
+    lines = []
+    for line in stream:
+        lines.append(line)
+        if re.match(pattern, line):
+            break
+    return "".join(lines)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ctrl_c_saves_and_resumes(tmp_path):
+    """Ctrl-C: the run stops at the next step boundary, saves, exits 130 and prints the command that
+    continues it, which does. A second Ctrl-C, a second or more later, stops at once."""
+    run = tmp_path / "run"
+    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run", "--max_iters=100000", "--eval_interval=100000")])
+    try:
+        read_until(proc.stdout, r"iter 1/")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    m = re.search(r"^train.py: interrupted: saved (.*) at step (\d+); continue with: (python train.py .* --init_from=resume)$",
+                  err, re.M)
+    assert m and m[1] == str(run / "ckpt.pt"), err
+    step = int(m[2])
+    assert step >= 1 and load_ckpt(run)["iter_num"] == step and f"saved {run / 'ckpt.pt'} at step {step}" in out
+    again = shlex.split(m[3])[2:]
+    assert [it for it, _ in train.main([*again, f"--max_iters={step + 2}"])] == [step + 1, step + 2]
+    # the second Ctrl-C: inside a long evaluation, which the first one waits for
+    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run2", "--eval_iters=1000000")])
+    try:
+        read_until(proc.stdout, r"DRT groups")
+        proc.send_signal(signal.SIGINT)
+        threading.Event().wait(1.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved" and not os.path.exists(tmp_path / "run2" / "ckpt.pt")
+
+
+def torchrun_tiny(tmp_path, run, *extra):
+    """train.py under torchrun, 2 CPU processes (gloo), batch 1 each, running long enough to be
+    interrupted; each rank writes its pid to tmp_path/pid<rank> from a config file (config files are Python)."""
+    pids = tmp_path / "pids.py"
+    pids.write_text(f"import os as _os\nwith open({str(tmp_path)!r} + '/pid' + _os.environ.get('RANK', 'x'), 'w') as _f:\n"
+                    f"    _f.write(str(_os.getpid()))\n")
+    args = tiny_args(tmp_path, run, "--batch_size=1", f"--tokens_per_step={2 * 35}", "--max_iters=100000", *extra)
+    return start_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                      str(pids), *args], pid_files=[tmp_path / "pid0", tmp_path / "pid1"])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ddp_ctrl_c(tmp_path):
+    """Ctrl-C under torchrun (which forwards it to each worker): all ranks stop at the same step,
+    rank 0 saves, and says once how to continue."""
+    proc = torchrun_tiny(tmp_path, "run", "--eval_interval=100000")
+    try:
+        read_until(proc.stdout, r"iter 3/")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    m = re.findall(r"^train.py: interrupted: saved (.*) at step (\d+); continue with: torchrun <as before> train.py "
+                   r".* --init_from=resume$", err, re.M)
+    assert len(m) == 1 and m[0][0] == str(tmp_path / "run" / "ckpt.pt"), err[-3000:]
+    assert load_ckpt(tmp_path / "run")["iter_num"] == int(m[0][1]) and "[rank" not in err  # no rank's traceback
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ddp_rank_dies(tmp_path):
+    """One rank is killed mid-run: the other stops with one line naming the last checkpoint (whole:
+    saves are atomic), and --init_from=resume continues from it (here on one process)."""
+    proc = torchrun_tiny(tmp_path, "run", "--eval_interval=2")
+    try:
+        read_until(proc.stdout, r"iter 5/")
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode != 0
+    m = re.search(r"^train.py: rank 0: stopped by SIGTERM \(another rank failed\?\); the last checkpoint is (.*) at step "
+                  r"(\d+): resume with --init_from=resume$", err, re.M)
+    assert m and m[1] == str(tmp_path / "run" / "ckpt.pt"), err[-3000:]
+    assert "[rank0]" not in err  # no traceback of rank 0's
+    step = int(m[2])
+    assert step >= 4 and load_ckpt(tmp_path / "run")["iter_num"] == step
+    hist = train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", f"--max_iters={step + 2}"])
+    assert [it for it, _ in hist] == [step + 1, step + 2]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="POSIX signals")
+def test_ddp_stuck_rank(tmp_path):
+    """A rank that hangs (here: stopped) leaves the other one blocked in a collective, where Python
+    signal handlers never run: on torchrun's SIGTERM it still says in one line what to do, before
+    torchrun kills it (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=6 s here)."""
+    proc = torchrun_tiny(tmp_path, "run", "--eval_interval=2")
+    try:
+        read_until(proc.stdout, r"iter 3/")
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGSTOP)
+        threading.Event().wait(1)
+        proc.send_signal(signal.SIGTERM)  # as a cluster's scheduler would; torchrun forwards it
+        err = read_until(proc.stderr, r"train.py: ")  # (torchrun then waits 6 s for the stopped rank; we need not)
+    finally:
+        end_run(proc)
+    m = re.search(r"^train.py: rank 0: stopped by SIGTERM \(another rank failed\?\); the last checkpoint is (.*) at step "
+                  r"(\d+): resume with --init_from=resume$", err, re.M)
+    assert m and m[1] == str(tmp_path / "run" / "ckpt.pt"), err[-3000:]
+    assert load_ckpt(tmp_path / "run")["iter_num"] == int(m[2]) >= 2
+
+
+def test_ddp_timeout(tmp_path, monkeypatch):
+    """The process group waits ddp_timeout seconds for a hung rank (torch's default: 10 min for NCCL,
+    30 for gloo). By hand: a stopped rank and --ddp_timeout=3 end in gloo's 'Timed out waiting 3000ms'."""
+    seen = {}
+
+    def init_process_group(backend, **kw):
+        seen.update(kw, backend=backend)
+        raise train.ConfigError("enough")
+
+    monkeypatch.setattr(train.dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(train.ConfigError, match="enough"):
+        train.main(tiny_args(tmp_path, "run", "--ddp_timeout=7"))
+    assert seen["backend"] == "gloo" and seen["timeout"].total_seconds() == 7
 
 
 # -----------------------------------------------------------------------------

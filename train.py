@@ -6,12 +6,17 @@ Train DRT (or its sliding-window baseline) on PG19 or on a synthetic long-contex
     torchrun --standalone --nproc_per_node=8 train.py config/train_drt146m.py   # one node of 8 GPUs
     python train.py config/quickstart.py --batch_size=4 --groups=1,1          # override any key
     python train.py config/quickstart.py --init_from=resume                   # continue out_dir/ckpt.pt
+    python train.py --out_dir=out-quickstart --init_from=resume --max_iters=600  # its stored config, 600 steps
     python train.py --help                     # every key, its default and why
 
 PG19 must be prepared first: python prepare_pg19.py --source /path/to/pg19 --out data/pg19.
 Config files (Python, executed in order), then --key=value overrides (Python literals; strings
 need no quotes; tuples as --groups=3,3 or --groups="()", shell-safe) change the hyperparameters
 below. Only existing keys, with the default's type.
+
+Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues;
+a second Ctrl-C stops at once. A resumed run takes the checkpoint's config and applies only what
+is given now (printing each change); the architecture cannot change.
 
 Resume is exact: every random draw of a step (the data windows, the model's Gumbel noise) is a
 function of (seed, iteration, global micro-batch index), and the learning rate a function of
@@ -25,14 +30,19 @@ import difflib
 import json
 import math
 import os
+import pickle
 import random
 import re
 import resource
+import shlex
+import signal
 import sys
+import threading
 import time
 import types
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -47,10 +57,11 @@ from prepare_pg19 import GPT2_VOCAB, _fmt_time, get_tokenizer
 # I/O
 out_dir = "out"  # where ckpt.pt (weights, optimizer, loop state) and ckpt.json (the same without tensors) go
 eval_interval = 1000  # steps between evaluations and checkpoints (146M + AdamW state: a 1.75 GB ckpt.pt)
-log_interval = 10  # steps between log lines; each line syncs the GPU once and reports the mean loss since the last
+log_interval = 10  # steps between log lines; each line syncs the GPU once and reports the mean loss since the last (under torchrun a Ctrl-C stops every GPU at the next line)
 eval_iters = 40  # micro-batches per split per evaluation: 40 x 4 x 16380 = 2.6M tokens, a steady estimate
-always_save_checkpoint = True  # save at every evaluation, not only when val improves: a long run must be resumable
-init_from = "scratch"  # 'scratch'; 'resume' continues out_dir/ckpt.pt (same command + --init_from=resume); a path to another run's ckpt.pt (or its folder) fine-tunes: its weights and architecture, a fresh optimizer and schedule
+always_save_checkpoint = True  # save at every evaluation, not only when val improves (the last step is always saved): a long run must be resumable
+overwrite = False  # a run from scratch or a fine-tune refuses an out_dir that holds a ckpt.pt (another run's model); True replaces it
+init_from = "scratch"  # 'scratch'; 'resume' continues out_dir/ckpt.pt with its stored config (keys given now change it); a path to another run's ckpt.pt (or its folder) fine-tunes: its weights and architecture, a fresh optimizer and schedule
 stop_iter = 0  # stop and save after this step without changing the schedule (a long run in pieces); 0 = max_iters
 # data
 dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py)
@@ -87,6 +98,7 @@ device = "auto"  # 'auto' = cuda if available, else cpu; or 'cpu', 'cuda' (torch
 dtype = "auto"  # 'auto' = bfloat16 autocast on CUDA, float32 on CPU; or 'bfloat16', 'float32'
 compile = False  # torch.compile the model: faster steps after a slow first one; off until measured on the GPU
 seed = 1337  # the initial weights and every random draw of training derive from it
+ddp_timeout = 300  # seconds a GPU waits in a collective before torchrun's job fails (torch's default: 10-30 min); above rank 0's evaluation + save, which the others wait for
 # ---- end of hyperparameters ----------------------------------------------------------------
 
 
@@ -111,10 +123,21 @@ BLOCK = _read_block()
 DEFAULTS = {k: globals()[k] for k, _ in BLOCK if k}
 MODEL_KEYS = [f.name for f in fields(DRTConfig)]
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]  # dense, by device name
+PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does, not what the run is: never restored on resume
+CPU_FLOPS = 1e11  # FLOP/s of fp32 training on a fast CPU, for the warning that a step will take minutes
+PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
 
 
 class ConfigError(Exception):
     """Something the user can fix (a key, a value, the data, out_dir): shown without a traceback."""
+
+
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM ended the run; the message says what was saved and how to continue."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.signum = signum
 
 
 # -----------------------------------------------------------------------------
@@ -179,7 +202,7 @@ def print_help():
 
 def check_config(c):
     bad = []
-    for k in ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters"):
+    for k in ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout"):
         if c[k] < 1:
             bad.append(f"{k}={c[k]} must be a positive int")
     if not c["init_from"]:  # a str already (parse_config checks types)
@@ -248,6 +271,101 @@ def write_json(obj, path):
 
 
 # -----------------------------------------------------------------------------
+# checkpoints: load, resume's config, what is on disk
+
+
+def load_checkpoint(path, fix):
+    """train.py's checkpoint at path, on the CPU (load_state_dict moves it), or a one-line ConfigError
+    ending in fix. weights_only: tensors and plain values are all a train.py checkpoint holds."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ConfigError(f"{path} holds Python objects a train.py checkpoint never has: {fix}") from None
+    except Exception:  # a truncated zip, a text file, an empty file: each fails its own way
+        raise ConfigError(f"{path} is truncated or not a torch checkpoint: {fix}") from None
+    if not isinstance(ckpt, dict) or not {"model_args", "model"} <= ckpt.keys():
+        raise ConfigError(f"{path} is not a train.py checkpoint (no model_args/model): {fix}")
+    return ckpt
+
+
+def resume_config(stored, now, explicit, log):
+    """The resumed run's config: the checkpoint's, with the keys given now (explicit) applied and
+    each change printed; PER_RUN keys are now's. Model keys given now are checked against the
+    checkpoint later (they cannot change)."""
+    c = {k: stored.get(k, now[k]) for k in DEFAULTS}  # a key newer than the checkpoint: its value now
+    for k in DEFAULTS:
+        if k in explicit and k not in PER_RUN and k not in MODEL_KEYS and c[k] != now[k]:
+            log(f"resume: {k} {c[k]!r} -> {now[k]!r} (given now)")
+        if k in explicit or k in PER_RUN:
+            c[k] = now[k]
+    return c
+
+
+def saved_at(out_dir):
+    """'out/ckpt.pt at step N', read from ckpt.json (what is on disk now), or None."""
+    try:
+        with open(os.path.join(out_dir, "ckpt.json")) as f:
+            step = json.load(f)["iter_num"]
+    except (OSError, ValueError, KeyError, TypeError):
+        step = None
+    path = os.path.join(out_dir, "ckpt.pt")
+    return None if not os.path.isfile(path) else path if step is None else f"{path} at step {step}"
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C and SIGTERM: the handler only takes note, and the loop stops at the next step boundary,
+# where the model is whole. Under torchrun the agent forwards a Ctrl-C to the workers, sends SIGTERM
+# to all when one worker dies, and kills them 30 s later.
+
+STOP = {"signum": 0, "at": 0.0}  # the signal that asked to stop, and when
+
+
+def on_signal(signum, frame):
+    # a second Ctrl-C stops at once; within 1 s it is the first one again (sent by the terminal and by torchrun)
+    if signum == signal.SIGINT and STOP["signum"] and time.time() - STOP["at"] > 1:
+        raise KeyboardInterrupt
+    if not STOP["signum"]:
+        STOP.update(signum=signum, at=time.time())
+
+
+def catch_signals(watchdog=None):
+    """Install on_signal; returns what release_signals restores. watchdog(signum), for DDP, runs in a
+    thread that the signal wakes at once: a rank stuck in a collective whose peer died never gets
+    back to Python, so on_signal would not run there."""
+    STOP.update(signum=0, at=0.0)
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if watchdog:
+        r, w = os.pipe()
+        try:
+            os.set_blocking(w, False)
+            old["wakeup"] = (signal.set_wakeup_fd(w), w)  # Python's C-level handler writes the signal number to w
+        except (ValueError, OSError):  # where the wakeup fd must be a socket (Windows): no watchdog
+            os.close(r)
+            os.close(w)
+            return old
+
+        def watch():
+            for b in iter(lambda: os.read(r, 1), b""):  # until release_signals closes w
+                if b[0] in (signal.SIGINT, signal.SIGTERM):
+                    watchdog(b[0])
+            os.close(r)
+
+        threading.Thread(target=watch, daemon=True).start()
+    return old
+
+
+def release_signals(old):
+    if "wakeup" in old:
+        fd, w = old.pop("wakeup")
+        signal.set_wakeup_fd(fd)
+        os.close(w)
+    for s, handler in old.items():
+        signal.signal(s, handler)
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -258,13 +376,29 @@ def main(argv=None):
         print_help()
         return []
     c, explicit = parse_config(argv)
-    check_config(c)
 
     # -- DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; plain python runs one process
     ddp = "RANK" in os.environ
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     master = rank == 0  # alone prints, evaluates and saves
+    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+
+    # -- resume: the checkpoint's config, and on top of it only what is given now
+    ckpt = None
+    if c["init_from"] == "resume":
+        path = os.path.join(c["out_dir"], "ckpt.pt")
+        if not os.path.isfile(path):
+            raise ConfigError(f"no checkpoint at {path}: use --init_from=scratch (or point --out_dir at the run)")
+        ckpt = load_checkpoint(path, "start over with --init_from=scratch --overwrite=True, or use another --out_dir")
+        if missing := {"config", "optimizer", "iter_num", "best_val_loss"} - ckpt.keys():
+            raise ConfigError(f"{path} has no {', '.join(sorted(missing))}: train.py cannot resume it; fine-tune "
+                              f"from it with --init_from={path} and another --out_dir")
+        c = resume_config(ckpt["config"], c, explicit, log)
+    check_config(c)
+    again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
+    again = ("torchrun <as before> " if ddp else "python ") + shlex.join(["train.py", *again])  # what continues
+
     dev = c["device"] if c["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={dev!r} but CUDA is not available: use --device=cpu (or auto)")
@@ -272,20 +406,49 @@ def main(argv=None):
         dev = f"cuda:{local_rank}"
         torch.cuda.set_device(dev)
     device = torch.device(dev)
-    if ddp:
+    if ddp:  # a timeout, so that a rank waiting for a dead or hung one fails in minutes, not in half an hour
         cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                                timeout=timedelta(seconds=c["ddp_timeout"]))
+
+    def rank_stopped(signum):  # a rank that cannot reach a step boundary with the others
+        why = " (another rank failed?)" if signum == signal.SIGTERM else ""
+        last = saved_at(c["out_dir"])
+        return (f"rank {rank}: stopped by {signal.Signals(signum).name}{why}; "
+                + (f"the last checkpoint is {last}: resume with --init_from=resume" if last else "no checkpoint saved"))
+
+    def watchdog(signum):  # torchrun kills the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s after its signal
+        time.sleep(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) * 2 / 3)  # the main thread's time to stop
+        print(f"train.py: {rank_stopped(signum)}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    old = catch_signals(watchdog if ddp else None)
     try:
-        history = train(c, explicit, device, ddp, rank, world_size, master)
+        history = train(c, explicit, ckpt, device, ddp, rank, world_size, master, again)
         if ddp:
             dist.barrier()  # rank 0 may still be evaluating and saving: leave together
         return history
+    except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one
+        last = saved_at(c["out_dir"])
+        raise Stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
+                                                         if last else "no checkpoint saved"), signal.SIGINT) from None
+    except (ConfigError, Stopped):
+        raise
+    except Exception:
+        if ddp:  # a collective failed: if another rank died, torchrun sends SIGTERM, maybe a moment after
+            for _ in range(30):  # it comes within torchrun's monitor interval (0.1 s) of the death
+                if STOP["signum"]:
+                    raise Stopped(rank_stopped(STOP["signum"]), STOP["signum"]) from None
+                time.sleep(0.1)
+        raise
     finally:
+        release_signals(old)
         if ddp:
             dist.destroy_process_group()
 
 
-def train(c, explicit, device, ddp, rank, world_size, master):
+def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
+    """The run main set up: ckpt is the checkpoint to resume (or None), again the command that continues."""
     log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     cuda = device.type == "cuda"
     dtype = c["dtype"] if c["dtype"] != "auto" else "bfloat16" if cuda else "float32"
@@ -303,9 +466,9 @@ def train(c, explicit, device, ddp, rank, world_size, master):
                           f"{c['batch_size']}*{c['block_size']}*{world_size} = {per_micro:,}: use e.g. {options} "
                           f"(or 0 for no accumulation), or change batch_size")
 
-    # -- the checkpoint to resume
-    ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
-    ckpt, finetune = None, c["init_from"] not in ("scratch", "resume")
+    # -- the checkpoint: resumed (main loaded it), or another run's to fine-tune from; never one replaced unasked
+    ckpt_path = src = os.path.join(c["out_dir"], "ckpt.pt")
+    finetune = c["init_from"] not in ("scratch", "resume")
     if finetune:  # another run's weights: a path to its ckpt.pt or to its out_dir
         src = c["init_from"]
         src = os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src
@@ -315,20 +478,18 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         if os.path.abspath(src) == os.path.abspath(ckpt_path):
             raise ConfigError(f"init_from={src} would be overwritten by this run's own checkpoint: use "
                               f"--init_from=resume, or another --out_dir")
-        ckpt = torch.load(src, map_location=device)
-    if c["init_from"] == "resume":
-        if not os.path.isfile(ckpt_path):
-            raise ConfigError(f"no checkpoint at {ckpt_path}: use --init_from=scratch (or point --out_dir at the run)")
-        ckpt = torch.load(ckpt_path, map_location=device)
+    if c["init_from"] != "resume" and os.path.exists(ckpt_path) and not c["overwrite"]:
+        raise ConfigError(f"{saved_at(c['out_dir']) or ckpt_path} exists: continue that run with --init_from=resume, "
+                          f"replace it with --overwrite=True, or use another --out_dir")
+    if finetune:
+        ckpt = load_checkpoint(src, "point --init_from at a train.py ckpt.pt or its out_dir")
     if ckpt is not None:
-        if "model_args" not in ckpt or "model" not in ckpt:
-            raise ConfigError(f"{c['init_from']}: not a train.py checkpoint (no model_args/model)")
         as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v  # JSON gives groups as a list
         clash = [k for k in MODEL_KEYS if k in explicit and as_tuple(c[k]) != as_tuple(ckpt["model_args"][k])]
         if clash:
             said = ", ".join(f"{k}={ckpt['model_args'][k]!r}, the config asks {c[k]!r}" for k in clash)
             drop = " ".join(f"--{k}" for k in clash)
-            raise ConfigError(f"checkpoint {ckpt_path} has {said}: drop {drop} (from the command line or config "
+            raise ConfigError(f"checkpoint {src} has {said}: drop {drop} (from the command line or config "
                               f"file) or start a new out_dir")
         c.update({k: as_tuple(ckpt["model_args"][k]) for k in MODEL_KEYS})  # the checkpoint's architecture
     try:
@@ -367,7 +528,10 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         data_vocab, splits = meta["vocab_size"], {}
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
-            n = os.path.getsize(path) // 2 if os.path.isfile(path) else 0
+            if not os.path.isfile(path):
+                raise ConfigError(f"{path} not found, but {meta_path} is: the preparation did not finish; run it "
+                                  f"again, e.g. python prepare_pg19.py --source /path/to/pg19 --out {data_dir}")
+            n = os.path.getsize(path) // 2
             if n < c["block_size"] + 1:
                 raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={c['block_size'] + 1:,}; "
                                   f"lower --block_size")
@@ -392,6 +556,12 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         return x.to(device), y.to(device)
 
     if master:  # last of the checks, so a run that cannot start leaves no empty out_dir behind
+        parent = c["out_dir"]
+        while parent and not os.path.exists(parent):  # the nearest part of the path that exists
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            where = "" if parent == c["out_dir"] else f": {parent}"
+            raise ConfigError(f"out_dir {c['out_dir']}{where} is a file, not a folder: pass --out_dir=<folder>")
         try:
             os.makedirs(c["out_dir"], exist_ok=True)
             probe = os.path.join(c["out_dir"], f".write_test_{os.getpid()}")
@@ -410,7 +580,7 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         if not finetune:  # a fine-tune keeps only the weights: its own optimizer, schedule and best loss
             optimizer.load_state_dict(ckpt["optimizer"])
             iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        ckpt = None  # free it
+        ckpt.clear()  # free it (main holds it too)
     model = torch.compile(raw_model) if c["compile"] else raw_model
     eval_model = model  # evaluation runs on rank 0 alone, so never through DDP
     if ddp:
@@ -422,12 +592,29 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         f"{c['batch_size']} seq x {c['block_size']:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c['dataset']} | "
         + (f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c['init_from']}" if finetune else "from scratch"))
+    step_s = flops_per_token * tokens_per_step / CPU_FLOPS
+    eval_s = flops_per_token / 3 * 2 * c["eval_iters"] * c["batch_size"] * c["block_size"] / CPU_FLOPS  # forward only
+    if device.type == "cpu" and max(step_s, eval_s) > 60:
+        log(f"warning: {raw_model.num_params() / 1e6:.3g}M parameters x {tokens_per_step:,} tokens per step on a CPU: "
+            f"one step takes ~{_fmt_time(step_s)}, one evaluation ~{_fmt_time(eval_s)} (at {CPU_FLOPS / 1e9:.3g} "
+            f"GFLOP/s); for a first run use config/quickstart.py")
+
+    said = [0.0]  # when progress last printed
+
+    def progress(t0, text):
+        """Print text when the work begun at t0 (a step, an evaluation) has run PROGRESS_AFTER seconds
+        since it began or last said so: a long first step shows it is alive. Host clock: no GPU sync."""
+        now = time.time()
+        if now - max(t0, said[0]) > PROGRESS_AFTER:
+            log(f"{text} after {_fmt_time(now - t0)}")
+            said[0] = now
 
     @torch.no_grad()
     def estimate_loss():
         """Mean loss over eval_iters micro-batches per split; the same batches at every evaluation."""
         out = {}
         eval_model.eval()  # plain top-k: no Gumbel noise
+        t0 = time.time()
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
             for k in range(c["eval_iters"]):
@@ -435,23 +622,28 @@ def train(c, explicit, device, ddp, rank, world_size, master):
                 with autocast:
                     _, loss = eval_model(x, y, return_logits=False)
                 total += loss.float()
+                progress(t0, f"eval {split}: micro-batch {k + 1}/{c['eval_iters']} done")
             out[split] = total.item() / c["eval_iters"]
         eval_model.train()
         return out
 
-    def save(val_loss):
+    def save(val_loss):  # val_loss None: saved on a signal, between evaluations
+        nonlocal saved
         state = {"model_args": model_args, "config": c, "iter_num": iter_num, "best_val_loss": best_val_loss}
         tensors = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
         save_atomic({**tensors, **state}, ckpt_path, torch.save)
         save_atomic({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step},
                     os.path.join(c["out_dir"], "ckpt.json"), write_json)  # for people and tools without torch
         log(f"saved {ckpt_path} at step {iter_num}")
+        saved = iter_num
 
     # -- the loop. iter_num counts the optimizer steps done; everything about step iter_num+1
     #    (lr, batches, Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
     last = c["stop_iter"] or c["max_iters"]
     start, history = iter_num, []
     resumed = c["init_from"] == "resume"  # then step `start` was evaluated just before the save
+    saved = start if resumed else -1  # the step of the checkpoint this run last wrote (or resumed)
+    stop = 0  # the signal that stops every rank at the next step boundary (STOP: what this rank was sent)
     loss_sum = torch.zeros((), device=device)
     model.train()
     t_last, it_last = time.time(), iter_num
@@ -463,16 +655,33 @@ def train(c, explicit, device, ddp, rank, world_size, master):
                 f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})")
             improved = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])
-            if iter_num > start and (improved or c["always_save_checkpoint"] or iter_num == c["stop_iter"]):
-                save(losses["val"])
+            if iter_num > start and (improved or c["always_save_checkpoint"] or iter_num == last):
+                save(losses["val"])  # the last step too: out_dir must end up holding this run, not an older one
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
             break
+        stop = stop if ddp else STOP["signum"]  # one process: at every step; DDP: agreed at the log line below
+        if stop:  # a step boundary: the model is whole
+            if master and iter_num > saved:
+                save(None)
+            if ddp:
+                dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
+            msg = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
+            if iter_num > start:
+                msg += f": saved {ckpt_path} at step {iter_num}; continue with: {again}"
+            elif resumed:
+                msg += f" before step {start + 1}: nothing new to save; continue with: {again}"
+            else:
+                msg += " before the first step: nothing saved"
+            raise Stopped(msg if master else "", stop)
 
         lr = get_lr(iter_num, c)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        t_step = time.time()
         for micro in range(grad_accum):
+            if micro:
+                progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
             g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
             x, y = batch("train", step_rng(c["seed"], "train", iter_num, g), training=True)
             torch.manual_seed(step_rng(c["seed"], "gumbel", iter_num, g).getrandbits(63))  # the model's noise
@@ -489,9 +698,16 @@ def train(c, explicit, device, ddp, rank, world_size, master):
         iter_num += 1
 
         if iter_num % c["log_interval"] == 0 or iter_num == last:
-            if ddp:
-                dist.all_reduce(loss_sum)  # SUM (gloo has no AVG): the loss of the global batch
-            mean_loss = loss_sum.item() / world_size / (iter_num - it_last)
+            if ddp:  # the loss of the global batch, and whether any rank was sent Ctrl-C/SIGTERM: all stop at this
+                # step. On this all-reduce, which the log line needs anyway: a flag of its own would sync every step
+                sent = [float(STOP["signum"] == s) for s in (signal.SIGINT, signal.SIGTERM)]
+                both = torch.cat([loss_sum.view(1), torch.tensor(sent, device=device)])
+                dist.all_reduce(both)  # SUM (gloo has no AVG)
+                total, n_int, n_term = both.tolist()
+                stop = signal.SIGTERM if n_term else signal.SIGINT if n_int else 0
+            else:
+                total = loss_sum.item()
+            mean_loss = total / world_size / (iter_num - it_last)
             dt = (time.time() - t_last) / (iter_num - it_last)
             tok_s = tokens_per_step / dt
             mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
@@ -511,3 +727,10 @@ if __name__ == "__main__":
         main()
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}")
+    except Stopped as e:
+        if str(e):  # said by rank 0, or by each rank that failed
+            print(f"train.py: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.signum)  # the shell's code for death by that signal: 130 for Ctrl-C
+    except KeyboardInterrupt:  # before training began
+        print("train.py: interrupted before training began: nothing saved", file=sys.stderr)
+        raise SystemExit(130)
