@@ -58,7 +58,6 @@ def fmt_time(s):
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
-_fmt_time = fmt_time  # the old name, until train.py imports fmt_time
 
 # -----------------------------------------------------------------------------
 # tokenizer (train.py and sample.py import this, so importing this file stays cheap)

@@ -800,7 +800,6 @@ def test_tokenizer_offline_message(monkeypatch, capsys):
 def test_prepare_fmt_time():
     got = [prepare_pg19.fmt_time(s) for s in (0, 59.9, 61, 3600, 3725)]
     assert got == ["0m00s", "0m59s", "1m01s", "1h00m", "1h02m"]
-    assert prepare_pg19._fmt_time is prepare_pg19.fmt_time  # the old name, which train.py imports for now
 
 
 def test_prepare_requirements_triton_linux_only():
@@ -1198,6 +1197,31 @@ def test_ddp_matches_one_process(tmp_path):
         torch.testing.assert_close(t, b["model"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
+    """The passkey recipe's plumbing at toy size: config/passkey_pretrain.py on text, then
+    config/passkey_finetune.py from it (a task mix, a real-text haystack, aligned questions),
+    then sample.py's test table on the result."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    data = tiny_dataset(tmp_path / "pg19", vocab=50257)  # GPT-2 ids, as prepare_pg19.py writes them
+    small = ["--n_embd=32", "--n_head=2", "--batch_size=2", "--block_size=250", "--max_iters=2", "--eval_interval=2",
+             "--eval_iters=1", "--log_interval=1", "--device=cpu"]
+    pre, ft = tmp_path / "pre", tmp_path / "ft"
+    train.main([os.path.join(HERE, "config/passkey_pretrain.py"), *small, f"--data_dir={data}", f"--out_dir={pre}"])
+    hist = train.main([os.path.join(HERE, "config/passkey_finetune.py"), *small[2:], f"--init_from={pre}",
+                       f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40",
+                       "--dataset=passkey,multikey,vartrack"])
+    assert [it for it, _ in hist] == [1, 2]
+    a, b = load_ckpt(pre), load_ckpt(ft)
+    assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1
+    assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey,vartrack"
+    capsys.readouterr()
+    sample.main([f"--out_dir={ft}", "--passkey", "--lengths=500,2K", "--samples_per_length=2", "--device=cpu",
+                 f"--haystack={data}/val.bin"])
+    out = capsys.readouterr().out
+    assert "question aligned to a chunk" in out and len(re.findall(r"^\s+(500|2K)\s+2\s+\d+\.\d%", out, re.M)) == 2
+
+
 def test_passkey_task(tmp_path, monkeypatch):
     _tokenizer_or_skip(monkeypatch)
     hist = train.main(["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
@@ -1373,7 +1397,7 @@ def test_cpu_warning_and_progress(tmp_path, monkeypatch, capsys):
     train.main([*args, "--overwrite=True"])
     out = capsys.readouterr().out
     flops = DRT(DRTConfig(**{k: train.parse_config(args)[0][k] for k in train.MODEL_KEYS})).flops_per_token()
-    step = prepare_pg19._fmt_time(flops * 140 / 1e3)
+    step = prepare_pg19.fmt_time(flops * 140 / 1e3)
     assert re.search(rf"^warning: 0.0\d+M parameters x 140 tokens per step on a CPU: one step takes ~{step}, one "
                      r"evaluation ~\w+ \(at 1e-06 GFLOP/s\); for a first run use config/quickstart.py$", out, re.M), out
     assert re.search(r"^step 1: micro-batch 1/2 done after 0m\d\ds$", out, re.M)

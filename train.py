@@ -51,9 +51,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tasks
 from model import DRT, DRTConfig
-from prepare_pg19 import GPT2_VOCAB, _fmt_time, get_tokenizer
+from prepare_pg19 import GPT2_VOCAB, fmt_time, get_tokenizer
 
-# ---- hyperparameters: the paper's 146M DRT x1 on PG19 (DESIGN §7), one home each -----------
+# ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A), one home each -----
 # I/O
 out_dir = "out"  # where ckpt.pt (weights, optimizer, loop state) and ckpt.json (the same without tensors) go
 eval_interval = 1000  # steps between evaluations and checkpoints (146M + AdamW state: a 1.75 GB ckpt.pt)
@@ -64,12 +64,15 @@ overwrite = False  # a run from scratch or a fine-tune refuses an out_dir that h
 init_from = "scratch"  # 'scratch'; 'resume' continues out_dir/ckpt.pt with its stored config (keys given now change it); a path to another run's ckpt.pt (or its folder) fine-tunes: its weights and architecture, a fresh optimizer and schedule
 stop_iter = 0  # stop and save after this step without changing the schedule (a long run in pieces); 0 = max_iters
 # data
-dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py)
+dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py), or a comma list of them (one drawn per prompt)
 data_dir = ""  # folder of the prepared dataset; "" = data/<dataset>
 task_min_depth = 0  # synthetic tasks: needles no earlier than this token, so the first chunks (told apart by having no past) never hold one and "retrieve the oldest chunks" cannot pass for retrieval
 task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
+task_haystack = ""  # synthetic tasks: real text to hide the needles in, a .bin of prepare_pg19.py (e.g. data/pg19/train.bin); "" = the repeated sentences only
+task_haystack_frac = 0.5  # synthetic tasks with task_haystack: the fraction of prompts in real text, the rest in the sentences
+task_align = True  # synthetic tasks: cut prompts so the question's last token opens a chunk, so the landmark whose retrieval serves the answer has read the question (the paper pads its prompts so, Appendix D)
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
-block_size = 16380  # text tokens per sequence: 260 chunks of 63 (DESIGN §2), the paper's 16K training length
+block_size = 16380  # text tokens per sequence: 260 chunks of 63, the paper's 16K training length
 tokens_per_step = 524160  # per step, all GPUs (the paper's 8x4x16380): k * batch_size*block_size*GPUs, k = accumulation; 0: k=1
 # model: DRTConfig's fields (model.py says what each one is)
 n_embd = 768  # model width d: the paper's 146M model
@@ -77,7 +80,7 @@ n_head = 12  # attention heads: head width 64, the width FlashGCA's tiles are bu
 n_lower = 6  # lower sliding-window layers; the baseline has n_lower=12 and no groups
 groups = (6,)  # upper layers per retrieval group: (6,) = DRT x1, (3, 3) = x2, () = sliding-window baseline
 n_enc = 2  # bidirectional chunk-encoder layers that turn a finished chunk into memory
-chunk_size = 64  # positions per chunk, 63 text tokens + 1 landmark: 64-wide tiles (DESIGN §2)
+chunk_size = 64  # positions per chunk, 63 text tokens + 1 landmark: 64-wide tiles (the release's layout)
 window = 512  # self-attention window in positions (landmarks count), a multiple of chunk_size
 topk = 8  # chunks retrieved per chunk: attention field window + topk*chunk_size
 softmax_off_by_one = True  # Eq. 3's weights, so a group may ignore useless picks; False = the release's plain softmax
@@ -96,7 +99,7 @@ grad_clip = 1.0  # clip the global gradient norm to this; 0 = no clipping
 # system
 device = "auto"  # 'auto' = cuda if available, else cpu; or 'cpu', 'cuda' (torchrun: cuda:LOCAL_RANK)
 dtype = "auto"  # 'auto' = bfloat16 autocast on CUDA, float32 on CPU; or 'bfloat16', 'float32'
-compile = False  # torch.compile the model: faster steps after a slow first one; off until measured on the GPU
+compile = True  # torch.compile the model on CUDA (ignored on a CPU, where compiling costs more than it saves): faster steps after a slow first one
 seed = 1337  # the initial weights and every random draw of training derive from it
 ddp_timeout = 300  # seconds a GPU waits in a collective before torchrun's job fails (torch's default: 10-30 min); above rank 0's evaluation + save, which the others wait for
 # ---- end of hyperparameters ----------------------------------------------------------------
@@ -217,6 +220,8 @@ def check_config(c):
         bad.append(f"min_lr={c['min_lr']} must lie in [0, learning_rate={c['learning_rate']}]")
     if c["tokens_per_step"] < 0 or c["grad_clip"] < 0:
         bad.append("tokens_per_step and grad_clip must be >= 0")
+    if not 0 <= c["task_haystack_frac"] <= 1:
+        bad.append(f"task_haystack_frac={c['task_haystack_frac']} must lie in [0, 1]")
     if c["task_loss"] not in ("all", "answer"):
         bad.append(f"task_loss={c['task_loss']!r} must be 'all' or 'answer'")
     if c["dtype"] not in ("auto", "bfloat16", "float32"):
@@ -503,20 +508,29 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
                           f"block_size >= {min_len} (best a multiple of chunk_size-1={c['chunk_size'] - 1})")
 
     # -- data: every batch is a function of (split, rng) and the rng a function of (seed, step, micro-batch)
-    if c["dataset"] in tasks.TASKS:
+    task_names = c["dataset"].split(",")
+    if all(t in tasks.TASKS for t in task_names):
         enc = get_tokenizer()
         data_vocab = GPT2_VOCAB  # the tasks' text is GPT-2 tokens
+        align = c["chunk_size"] - 1 if c["task_align"] else None
+        haystack = None
+        if c["task_haystack"]:
+            try:
+                haystack = tasks.Haystack(c["task_haystack"], enc)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"task_haystack: {e}") from None
         try:  # the longest needles and question must fit after task_min_depth
-            for i in range(8):
-                tasks.make_example(c["dataset"], c["block_size"] + 1, random.Random(i), enc, answer_counts=True,
-                                   min_depth=c["task_min_depth"])
+            for task in task_names:
+                for i in range(8):
+                    tasks.make_example(task, c["block_size"] + 1 - 5, random.Random(i), enc,
+                                       min_depth=c["task_min_depth"], align=align)
         except ValueError as e:
             raise ConfigError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
         def get_batch(split, rng, training):  # evaluation scores the answer alone: that is the task
             answer_only = not training or c["task_loss"] == "answer"
-            return tasks.get_batch(c["dataset"], c["batch_size"], c["block_size"], rng, enc, answer_only=answer_only,
-                                   min_depth=c["task_min_depth"])
+            return tasks.get_batch(task_names, c["batch_size"], c["block_size"], rng, enc, haystack,
+                                   c["task_haystack_frac"], answer_only, c["task_min_depth"], align)
     else:
         data_dir = c["data_dir"] or os.path.join("data", c["dataset"])
         meta_path = os.path.join(data_dir, "meta.json")
@@ -581,7 +595,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
             optimizer.load_state_dict(ckpt["optimizer"])
             iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         ckpt.clear()  # free it (main holds it too)
-    model = torch.compile(raw_model) if c["compile"] else raw_model
+    model = torch.compile(raw_model) if c["compile"] and cuda else raw_model
     eval_model = model  # evaluation runs on rank 0 alone, so never through DDP
     if ddp:
         model = DDP(model, device_ids=[device.index] if cuda else None)
@@ -596,7 +610,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
     eval_s = flops_per_token / 3 * 2 * c["eval_iters"] * c["batch_size"] * c["block_size"] / CPU_FLOPS  # forward only
     if device.type == "cpu" and max(step_s, eval_s) > 60:
         log(f"warning: {raw_model.num_params() / 1e6:.3g}M parameters x {tokens_per_step:,} tokens per step on a CPU: "
-            f"one step takes ~{_fmt_time(step_s)}, one evaluation ~{_fmt_time(eval_s)} (at {CPU_FLOPS / 1e9:.3g} "
+            f"one step takes ~{fmt_time(step_s)}, one evaluation ~{fmt_time(eval_s)} (at {CPU_FLOPS / 1e9:.3g} "
             f"GFLOP/s); for a first run use config/quickstart.py")
 
     said = [0.0]  # when progress last printed
@@ -606,7 +620,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
         since it began or last said so: a long first step shows it is alive. Host clock: no GPU sync."""
         now = time.time()
         if now - max(t0, said[0]) > PROGRESS_AFTER:
-            log(f"{text} after {_fmt_time(now - t0)}")
+            log(f"{text} after {fmt_time(now - t0)}")
             said[0] = now
 
     @torch.no_grad()
@@ -713,7 +727,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
             mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
             log(f"iter {iter_num}/{c['max_iters']} | loss {mean_loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
                 f"{tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
-                f"eta {_fmt_time(dt * (last - iter_num))}")
+                f"eta {fmt_time(dt * (last - iter_num))}")
             history.append((iter_num, mean_loss))
             loss_sum.zero_()
             t_last, it_last = time.time(), iter_num
