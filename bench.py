@@ -42,9 +42,9 @@ def reset_peak(dev):
 
 TRAIN_CASES = [  # (name, DRTConfig changes, GCA implementation, torch.compile)
     ("DRT x1", dict(groups=(6,)), "triton", True),
-    ("DRT x1", dict(groups=(6,)), "triton", False),
-    ("DRT x2", dict(groups=(3, 3)), "triton", True),
     ("baseline", dict(n_lower=12, groups=()), "-", True),
+    ("DRT x2", dict(groups=(3, 3)), "triton", True),
+    ("DRT x1", dict(groups=(6,)), "triton", False),
     ("baseline", dict(n_lower=12, groups=()), "-", False),
 ]
 

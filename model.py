@@ -132,7 +132,7 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
     Returns (B, H, L, D). A whole sequence on a GPU goes through FlexAttention, which skips
     the masked blocks; everything else (CPU, the ring) through blocked SDPA below."""
     if ring is None and q.is_cuda and flex_attention is not None:
-        return flex_window_attention(q, k, v, window, slopes, compiled=True)
+        return flex_window_attention(q, k, v, window, slopes)
     B, H, L, D = q.shape
     W = window
     dev = q.device
@@ -196,11 +196,13 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)  # uncompiled, FlexAttention is a dense reference
 
 
-def flex_window_attention(q, k, v, window, slopes, compiled=False, block=FLEX_BLOCK):
-    """window_attention for a whole sequence (no ring) through FlexAttention. q, k, v: (B, H, L, D)."""
+def flex_window_attention(q, k, v, window, slopes, block=FLEX_BLOCK):
+    """window_attention for a whole sequence (no ring) through FlexAttention. q, k, v: (B, H, L, D).
+    On a GPU outside torch.compile it runs a compiled FlexAttention (inside, the model's compile
+    covers it); on a CPU the unfused reference (tests)."""
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx)
-    attend = _compiled_flex() if compiled else flex_attention
+    attend = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, block))
 
 
@@ -320,6 +322,9 @@ def retrieve(q, memory, chunk_ids, cfg, training):
 # Layers
 
 
+CE_ROWS = 4096  # rows per chunk of LinearCrossEntropy: 4096 x 50,304 fp32 logits = 0.8 GB at a time
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), computed chunk
     of rows by chunk: x (N, C), weight (V, C), targets (N,) -> a scalar. The (N, V) logits are
@@ -328,23 +333,21 @@ class LinearCrossEntropy(torch.autograd.Function):
     gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
     onehot); the backward only scales them. Matmuls follow autocast, sums are fp32."""
 
-    ROWS = 4096  # rows per chunk: 4096 x 50,304 fp32 logits = 0.8 GB at a time
-
     @staticmethod
     def forward(ctx, x, weight, targets):
         acc = torch.promote_types(weight.dtype, torch.float32)  # fp32, or fp64 in the tests
         n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
         loss = x.new_zeros((), dtype=acc)
         dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=acc)
-        for s in range(0, x.size(0), LinearCrossEntropy.ROWS):
-            xs, ts = x[s : s + LinearCrossEntropy.ROWS], targets[s : s + LinearCrossEntropy.ROWS]
+        for s in range(0, x.size(0), CE_ROWS):
+            xs, ts = x[s : s + CE_ROWS], targets[s : s + CE_ROWS]
             logits = (xs @ weight.t()).to(acc)  # (rows, V)
             valid = (ts != -1).to(acc)[:, None]  # (rows, 1)
             ts = ts.clamp(min=0)[:, None]
             lse = logits.logsumexp(-1, keepdim=True)
             loss += ((lse - logits.gather(1, ts)) * valid).sum()
             g = (logits - lse).exp_().scatter_add_(1, ts, -valid).mul_(valid)  # d loss_sum / d logits
-            dx[s : s + LinearCrossEntropy.ROWS] = g @ weight
+            dx[s : s + CE_ROWS] = g @ weight
             dw += g.t() @ xs
         ctx.save_for_backward(dx, dw, n)
         ctx.weight_dtype = weight.dtype
