@@ -280,7 +280,7 @@ def main(argv=None):
                    help="autocast dtype on CUDA (default: %(default)s here; bfloat16 where there is a GPU)")
     p.add_argument("--seed", type=int, default=1337, help="random seed (sampling and test prompts)")
     p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (None: env DRT_GPT2_RANKS or download)")
-    p.add_argument("--segment", type=int, default=16384, help="prefill segment in tokens (memory vs speed)")
+    p.add_argument("--segment", type=int, default=65536, help="prefill segment in tokens (memory vs speed)")
     p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
     gen = p.add_argument_group("generation (without a test flag)")
     gen.add_argument("--prompt", default="\n",

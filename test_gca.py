@@ -3,7 +3,7 @@ Tests for DRT: the model (model.py), the FlashGCA kernel (gca_kernel.py), data p
 (prepare_pg19.py), training (train.py), inference and long-context tests (sample.py, tasks.py).
 
     python -m pytest -q test_gca.py            # CPU: the kernel runs under TRITON_INTERPRET=1
-    python -m pytest -q test_gca.py -k kernel  # on a GPU the kernel tests run natively (and in bf16)
+    python -m pytest -q test_gca.py -k "cuda or flash_gca"  # on a GPU: the kernel natively (and in bf16), the GPU paths
 
 Every test draws fresh random inputs; models are tiny so the file runs in minutes on 2 cores.
 Tokenizer tests need GPT-2's BPE: offline, DRT_GPT2_RANKS=/path/to/r50k_base.tiktoken (see
@@ -300,7 +300,7 @@ def test_flex_window_attention(L, W, block):
 
 
 def test_default_config_is_146M():
-    """DESIGN §2 defaults build the paper's 146M DRT; groups=() is the baseline of the same depth."""
+    """The default config builds the paper's 146M DRT; groups=() is the baseline of the same depth."""
     n = DRT(DRTConfig()).num_params()
     assert 145.5e6 < n < 146.5e6, n
     assert len(DRT(DRTConfig(n_lower=12, groups=())).lower) == 12

@@ -3,13 +3,15 @@
 #   python train.py config/passkey_pretrain.py
 #   python train.py config/passkey_finetune.py
 #   python sample.py --out_dir=out-passkey --passkey --lengths=1K,4K,32K,256K,1M --offload
-#   python sample.py --out_dir=out-passkey --passkey --lengths=1M --offload --haystack=data/pg19/test.bin
+#   python sample.py --out_dir=out-passkey --passkey --lengths=1K,4K,32K,256K,1M --offload --haystack=data/pg19/test.bin
 # Half the prompts hide the key in PG19 training books, half in the repeated "The grass is
 # green." filler: against the filler alone the retriever only learns to find the one chunk that
-# is not filler, and fails among real sentences. The question is aligned so that the landmark
-# whose retrieval serves the answer has read it (task_align). Needles stay out of the first 256
-# tokens, whose chunks are told apart by having no past. The loss is on every token: the
-# filler's copies keep copying in practice, and the answer is scored alone in evaluation.
+# is not filler, and fails among real sentences. The loss is on the answer alone: with the loss
+# on every token, the books' language modelling drowns the answer's signal (3 of 3 seeds never
+# learned to retrieve). The question is aligned so that the landmark whose retrieval serves the
+# answer has read it. Needles stay out of the first 256 tokens, whose chunks are told apart by
+# having no past. The repeated filler alone (100% to 64M tokens, 0% among books):
+#   python train.py config/passkey_finetune.py --task_haystack= --task_align=False --task_loss=all
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
 dataset = "passkey"  # or "passkey,multikey,vartrack": one task drawn per prompt
@@ -17,7 +19,7 @@ task_haystack = "data/pg19/train.bin"
 task_haystack_frac = 0.5
 task_align = True
 task_min_depth = 256
-task_loss = "all"
+task_loss = "answer"
 eval_interval = 1000
 eval_iters = 4
 log_interval = 100

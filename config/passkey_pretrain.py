@@ -27,3 +27,4 @@ learning_rate = 2e-3
 min_lr = 2e-4
 warmup_frac = 0.05
 max_iters = 1800
+seed = 0  # the run the README's passkey table comes from

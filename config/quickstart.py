@@ -1,5 +1,5 @@
-# A tiny DRT on the PG19 sample: trains on a CPU in minutes and its loss visibly falls.
-#   python prepare_pg19.py --source ../shared/data/pg19-sample --out data/pg19
+# A tiny DRT on a few PG19 books: trains on a CPU in minutes and its loss visibly falls.
+#   python prepare_pg19.py --max_books=20        # or --source /path/to/pg19 for a local copy
 #   python train.py config/quickstart.py
 out_dir = "out-quickstart"
 eval_interval = 100

@@ -1,4 +1,4 @@
-# The paper's 146M DRT x1 on PG19 (DESIGN §7): 6 lower layers, one retrieval group of 6 upper
+# The paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A): 6 lower layers, one retrieval group of 6 upper
 # layers, a 2-layer chunk encoder; 524,160 tokens per step (the paper: 8 GPUs x 4 x 16,380),
 # 60K steps = 31B tokens; AdamW (0.9, 0.95), lr 2e-3 -> 4e-4 cosine after 2% warmup, bf16.
 #   torchrun --standalone --nproc_per_node=8 train.py config/train_drt146m.py   # 8 GPUs, no accumulation
