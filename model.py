@@ -238,26 +238,26 @@ def gca_reference(q, k_mem, v_mem, idx, w):
 
 
 @functools.cache
-def _kernel():
-    """gca_kernel's (flash_gca, kernel_fits), or None without Triton. Imported on first use:
-    tests set TRITON_INTERPRET before Triton is imported."""
+def _gca_kernel():
+    """The gca_kernel module (FlashGCA), or None where Triton is missing. Imported on first use:
+    the tests set TRITON_INTERPRET before Triton is imported."""
     try:
-        from gca_kernel import flash_gca, kernel_fits
+        import gca_kernel
     except ImportError:
         return None
-    return flash_gca, kernel_fits
+    return gca_kernel
 
 
 def gca(q, k_mem, v_mem, idx, w):
     """GCA through the fused Triton kernel where it applies (CUDA, a tile it is built for),
     else the PyTorch reference: the same function either way."""
-    kernel = _kernel() if GCA_IMPL != "torch" else None
+    kernel = _gca_kernel() if GCA_IMPL != "torch" else None
     if GCA_IMPL == "triton" and kernel is None:
-        raise ImportError("DRT_GCA=triton but gca_kernel (Triton) cannot be imported")
-    S, D = q.shape[2], q.shape[4]
-    fits = q.is_cuda and k_mem.dtype == v_mem.dtype == q.dtype and kernel is not None and kernel[1](S, D, q.dtype)
-    if kernel and (GCA_IMPL == "triton" or fits):
-        return kernel[0](q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
+        raise ImportError("DRT_GCA=triton, but gca_kernel (Triton) cannot be imported")
+    fits = (kernel is not None and q.is_cuda and k_mem.dtype == v_mem.dtype == q.dtype
+            and kernel.kernel_fits(q.size(2), q.size(4), q.dtype))
+    if GCA_IMPL == "triton" or fits:
+        return kernel.flash_gca(q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
     return gca_reference(q, k_mem, v_mem, idx, w)
 
 
