@@ -1799,7 +1799,7 @@ def test_sample_help(capsys):
     out = " ".join(capsys.readouterr().out.split())  # unwrapped
     assert e.value.code == 0
     for flag, default in [("--top_k TOP_K", 200), ("--max_new_tokens MAX_NEW_TOKENS", 200),
-                          ("--segment SEGMENT", 16384), ("--num_samples NUM_SAMPLES", 1), ("--samples_per_length N", 10)]:
+                          ("--segment SEGMENT", 65536), ("--num_samples NUM_SAMPLES", 1), ("--samples_per_length N", 10)]:
         assert out.split(flag + " ", 1)[1].split("(default: ", 1)[1].startswith(f"{default})"), flag
     # the two sample counts, told apart; the old name --samples still parses but is not shown
     assert "--num_samples NUM_SAMPLES generations to draw" in out and "--samples_per_length N test prompts per" in out
