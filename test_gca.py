@@ -1805,7 +1805,7 @@ def test_sample_help(capsys):
     assert "--num_samples NUM_SAMPLES generations to draw" in out and "--samples_per_length N test prompts per" in out
     assert "--samples " not in out and "[--samples " not in out
     for text in (out, sample.__doc__):
-        assert "DESIGN" not in text and "../shared" not in text
+        assert not re.search(r"DESIGN|\.\./shared", text)  # the repository stands alone
 
 
 # the benchmarks' command lines: with nothing to do, or nothing they can do, they say so and fail
