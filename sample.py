@@ -132,8 +132,9 @@ def prompt_seed(seed, task, L, i):
 
 def prompt_room(task, seed, enc, align=None):
     """Tokens that the needles and question of the test prompt drawn with random.Random(seed)
-    take: the shortest length make_example accepts for it. Only short lengths are tried, so no
-    long filler is built; the room does not depend on the length (the needles are drawn first)."""
+    take: the shortest length make_example accepts for it (with align, the shortest whose cut
+    prompt still fits). Only short lengths are tried, so no long filler is built; whether a
+    length fits grows with it (the needles are drawn first), so a bisection finds it."""
     def fits(n):
         try:
             make_example(task, n, random.Random(seed), enc, align=align)

@@ -28,6 +28,7 @@ import torch
 
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+MAX_ANSWER = 5  # tokens an answer can take (a 5-digit number): a training row keeps room for it after the prompt
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
 
@@ -130,8 +131,7 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
     for b in range(batch_size):
         task = rng.choice(tasks)
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
-        # the longest answer (5 digits: at most 5 tokens) must fit in the row after the prompt
-        prompt, answer = make_example(task, seq_len + 1 - 5, rng, enc, hs, min_depth, align)
+        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]

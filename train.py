@@ -522,7 +522,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
         try:  # the longest needles and question must fit after task_min_depth
             for task in task_names:
                 for i in range(8):
-                    tasks.make_example(task, c["block_size"] + 1 - 5, random.Random(i), enc,
+                    tasks.make_example(task, c["block_size"] + 1 - tasks.MAX_ANSWER, random.Random(i), enc,
                                        min_depth=c["task_min_depth"], align=align)
         except ValueError as e:
             raise ConfigError(f"{e}: raise --block_size or lower --task_min_depth") from None
