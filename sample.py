@@ -201,7 +201,11 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
                 picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
                 logits = prefill(model, prompt[-1:], state, args.segment)
                 out = greedy(model, logits, state, len(answer))
-            correct += score(out, answer, enc)
+            hit = score(out, answer, enc)
+            correct += hit
+            if args.show_misses and not hit:
+                print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {enc.decode(answer).strip()!r}, "
+                      f"got {enc.decode(list(out[: len(answer)])).strip()!r}", flush=True)
             # retrieval diagnosis: was the needle's chunk (or the next one, whose memory saw the needle
             # through the lower layers' window) among the picks, where retrieval could pick it?
             # (chunk c reads what the landmark of chunk c-1 picked among chunks < c-1)
@@ -301,6 +305,7 @@ def main(argv=None):
                       help="test prompts per length and test (not --num_samples, which counts generations)")
     test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS,
                       help=argparse.SUPPRESS)  # the old name, hidden
+    test.add_argument("--show_misses", action="store_true", help="print each wrong answer next to the right one")
     test.add_argument("--no_align", action="store_true",
                       help="do not cut prompts so that the question's last token opens a chunk (the default "
                       "format, as in training: then the landmark before the answer has read the question)")
