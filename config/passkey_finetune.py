@@ -31,4 +31,4 @@ tokens_per_step = 0
 learning_rate = 2e-3
 min_lr = 2e-4
 warmup_frac = 0.05
-max_iters = 3000
+max_iters = 4000
