@@ -1838,18 +1838,3 @@ def test_bench_gca_without_gpu(monkeypatch):
     k = re.search(r"python -m pytest -q test_gca.py -k (\w+)$", msg).group(1)
     assert [n for n in globals() if n.startswith("test_flash_gca") and k in n]  # run on a CPU, not CUDA-only
 
-
-def test_toy_retrieval_runs():
-    """The CPU experiment of README (Passkey): its task is what it says, and it runs."""
-    import random
-
-    import toy_retrieval as toy
-    x, y, depths = toy.batch(6, 5, 15, random.Random(0), min_depth=30)
-    assert x.shape == y.shape == (5, 90) and (depths >= 30).all()
-    for b in range(5):
-        d = int(depths[b])
-        assert x[b, d] == x[b, d + 2] == toy.KEY and (y[b, :-1] == -1).all() and y[b, -1] == x[b, d + 1] < 10
-        assert x[b, -3:].tolist() == [toy.Q] * 3
-    rows = toy.main(["--steps=2", "--eval_every=1", "--chunks=4", "--window=1", "--min_depth=1", "--test=4,6"])
-    assert [step for step, _ in rows] == [0, 1, 2]
-    assert all(0 <= acc <= 1 and (found != found or 0 <= found <= 1) for _, res in rows for acc, found in res)
