@@ -588,7 +588,7 @@ class DRT(nn.Module):
         holding (B, T, vocab)."""
         self.check_input(idx, targets)
         S, T = self.config.chunk_size, idx.size(1)
-        state = state if state is not None else OneCall(self.config)
+        state = state if state is not None else OneCall(self.config)  # the one `state is None` check
         ids, offset = self.layout(idx, state.n)  # (B, L) positions of this segment
         pos0 = state.pos  # absolute position of ids[:, 0]
         x = self.wte(ids)  # (B, L, C)
@@ -599,7 +599,7 @@ class DRT(nn.Module):
             x = self.upper_groups(x, offset, pos0, n_done, state)
         state.advance(ids.size(1))
         # logits only at text positions: landmarks predict nothing
-        x = to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1].flatten(1, 2)[:, offset : offset + T]  # (B, T, C)
+        x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C)
         if targets is None:
             return self.lm_head(x[:, -1:]), None
         if not return_logits:  # training: the loss without ever holding all (B, T, vocab) logits
@@ -858,7 +858,7 @@ class DecodeState:
             return self.fetched[g]
         return self.memory.fetch(idx)
 
-    def keep_picks(self, g, made):  # made (idx, w) (B, n, K): the last landmark's serve the next chunk
+    def keep_picks(self, g, made):  # made (idx, w) (B, n, K); the last landmark's picks serve the next chunk
         idx, w = made
         self.picks[g] = (idx[:, -1:], w[:, -1:].detach())
         if self.memory.offload:  # prefetch: the copy runs while this call finishes; the next S tokens reuse it
