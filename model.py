@@ -277,7 +277,7 @@ def topk_earlier(q, blocks, chunk_ids, k, noise=False):
     """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
     blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
     (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
-    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training).
+    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2).
     Scores are fp32 whatever the autocast: in bf16 (8 bits of mantissa) near-ties among a
     million chunks would be decided by rounding, and a stream decoded token by token would
     pick other chunks than the same stream run in one forward."""
