@@ -12,11 +12,11 @@ mixed with weights from the scores (GCA). The weights carry the next-token loss 
 retriever, which so learns to fetch what helps predict the next chunk ("causal retrieval").
 Attention per token is constant (window + k*S), so the model runs at any length.
 
-Reading order, top to bottom: config -> positions (ALiBi) -> sliding-window attention ->
-GCA (Eq. 2) -> retrieval and its weights (Eq. 1, 3) -> blocks -> the streaming state
-(O(W) caches, chunk memory, CPU offload) -> the model. One forward serves training,
-long prefills in segments and token-by-token decoding: it processes a segment of the
-stream, optionally continuing a DecodeState.
+Reading order, top to bottom, as in §3 of the paper: config -> positions (ALiBi) ->
+sliding-window attention -> chunks, landmarks and the chunk encoder -> retrieval (Eq. 1,
+Gumbel top-k, Eq. 3) -> GCA (Eq. 2) -> blocks -> the model -> the streaming state (O(W)
+caches, chunk memory, CPU offload). One forward serves training, long prefills in segments
+and token-by-token decoding: it processes a segment of a stream, whose state it continues.
 
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
@@ -41,6 +41,17 @@ try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # torch < 2.5: blocked SDPA everywhere
     flex_attention = None
+
+
+def cdiv(a, b):
+    """ceil(a / b) for integers."""
+    return -(-a // b)
+
+
+def upcast(x):
+    """fp32 for half types, fp64 stays fp64 (tests run the model in double)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
 
 # -----------------------------------------------------------------------------
 # Config
@@ -148,7 +159,7 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
     if L <= W:
         return y
     # blocks 1..nb: block b holds queries [bW, bW+W) and keys [bW-W, bW+W), all inside the segment
-    nb = -(-(L - W) // W)
+    nb = cdiv(L - W, W)
     pad = (nb + 1) * W - L  # future positions at the end: causally invisible to every real query
     qb, kb, vb = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, (nb+1)W, D)
     qb = qb[:, :, W:].unflatten(2, (nb, W))  # (B, H, nb, W, D)
@@ -175,7 +186,7 @@ def window_block_mask(L, W, device, block=FLEX_BLOCK):
     f+1 .. n (the window's far edge) are partial."""
     f = max(0, (W - block) // block)  # t * block + block - 1 < W: every pair inside the window
     n = (W + block - 2) // block  # t * block - block + 1 <= W - 1: some pair inside
-    nq = -(-L // block)
+    nq = cdiv(L, block)
     i = torch.arange(nq, device=device, dtype=torch.int32)[:, None]  # (nq, 1) query blocks
 
     def blocks(t):  # key blocks i - t, the valid ones (>= 0) first: t ascends, so they are
@@ -207,33 +218,150 @@ def flex_window_attention(q, k, v, window, slopes, block=FLEX_BLOCK):
 
 
 # -----------------------------------------------------------------------------
+# Chunks (§3.1). A stream's position p lies in chunk p // S, at slot p % S; slot S-1 holds the
+# landmark. A segment of a stream may begin inside a chunk: `offset` is the number of that
+# chunk's slots that earlier segments filled (0 for a stream's first segment, so in training).
+
+
+def to_chunks(x, offset, S):
+    """(B, L, ...) -> (B, n_chunks, S, ...): the segment laid onto whole chunks, with `offset`
+    empty slots in front (its first chunk began in an earlier segment) and empty slots at the end."""
+    n_chunks = cdiv(offset + x.size(1), S)
+    back = n_chunks * S - offset - x.size(1)
+    if offset or back:
+        x = torch.cat([x.new_zeros(x.size(0), offset, *x.shape[2:]), x, x.new_zeros(x.size(0), back, *x.shape[2:])], 1)
+    return x.unflatten(1, (n_chunks, S))
+
+
+def from_chunks(x, offset, L):
+    """Inverse of to_chunks: (B, n_chunks, S, ...) -> (B, L, ...)."""
+    return x.flatten(1, 2)[:, offset : offset + L]
+
+
+class ChunkEncoder(nn.Module):
+    """Bidirectional encoder of finished chunks (§3.1 of the paper). Input: last lower layer's
+    states, RMSNorm'd, cut into chunks of S. Output per chunk: the landmark vector l (the
+    landmark slot's state) and per-token memory keys/values from ONE pair of projections
+    shared by every upper layer and group. The landmark slot's key and value are zero: a
+    sink key with logit 0 and value 0, i.e. a softmax-off-by-one inside every picked chunk,
+    so a query that matches none of the chunk's tokens can take (almost) nothing from it."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
+        self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
+        self.n_head = cfg.n_head
+        is_landmark = torch.zeros(cfg.chunk_size, 1, 1, 1, dtype=torch.bool)
+        is_landmark[-1] = True
+        self.register_buffer("is_landmark", is_landmark, persistent=False)  # (S, 1, 1, 1)
+
+    def forward(self, x):  # x (B, n, S, C) -> kv (B, n, S, 2, H, D), l (B, n, C)
+        B, n, S, C = x.shape
+        h = self.ln_in(x.reshape(B * n, S, C))
+        for block in self.blocks:
+            h = block(h)
+        h = self.ln_f(h).view(B, n, S, C)
+        kv = self.kv_mem(h).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
+        return kv.masked_fill(self.is_landmark, 0), h[:, :, -1]
+
+
+# -----------------------------------------------------------------------------
+# Retrieval (§3.1-3.2). Per group g, the state at chunk t's landmark, as it enters the group,
+# scores every strictly earlier chunk j: r_j = RMSNorm_g(h_t) . l_j / sqrt(d) (Eq. 1). The
+# top-k are picked (of Gumbel-noised scores in training, to explore) and weighted by Eq. 3.
+
+
+@torch.no_grad()
+def topk_earlier(q, blocks, chunk_ids, k, noise=False):
+    """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
+    blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
+    (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
+    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2).
+    Scores are fp32 whatever the autocast: in bf16 (8 bits of mantissa) near-ties among a
+    million chunks would be decided by rounding, and a stream decoded token by token would
+    pick other chunks than the same stream run in one forward."""
+    B, n, C = q.shape
+    q = upcast(q)
+    best_s = q.new_full((B, n, k), float("-inf"))
+    best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
+    m0 = 0
+    for lm in blocks:  # (B, mb, C)
+        with torch.autocast(q.device.type, enabled=False):  # fp32 even under bf16 autocast: see above
+            s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, mb)
+        if noise:
+            s = s - torch.empty_like(s).exponential_().log()  # -log(Exp(1)) ~ Gumbel(0, 1)
+        j = m0 + torch.arange(lm.size(1), device=q.device)
+        s = s.masked_fill(j[None, None, :] >= chunk_ids[None, :, None], float("-inf"))  # strictly earlier
+        s = torch.cat([best_s, s], -1)
+        best_s, pos = s.topk(k, -1)
+        best_i = torch.cat([best_i, j.expand(B, n, -1)], -1).gather(-1, pos)
+        m0 += lm.size(1)
+    eligible = best_s > float("-inf")  # k > number of earlier chunks leaves empty picks
+    return best_i.masked_fill(~eligible, 0), eligible
+
+
+def softmax_off_by_one(r, off_by_one=True):
+    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries get 0.
+    The 1 is a virtual chunk with score 0 and an empty output: when every pick scores low,
+    the weights all shrink and the group can ignore its retrieval. off_by_one=False is the
+    plain softmax of the release. Rows that are all -inf give all-zero weights either way."""
+    m = r.amax(-1, keepdim=True)
+    m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
+    e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
+    denom = e.sum(-1, keepdim=True) + (torch.exp(-m.detach()) if off_by_one else 0)
+    return e / torch.where(denom > 0, denom, 1)
+
+
+def retrieve(q, memory, chunk_ids, cfg, training):
+    """Eq. 1 + Eq. 3 for one group. q (B, n, C): normalised states at n landmarks (chunks
+    chunk_ids); memory: the ChunkMemory whose landmarks l_j are scored. Picks the top-k
+    earlier chunks (of Gumbel-noised scores in training) and weights them from the CLEAN
+    scores, through which the retriever gets its gradient. -> idx (B, n, K) int64, w (B, n, K)."""
+    noise = training and cfg.gumbel
+    idx, eligible = topk_earlier(q, memory.lm.views(), chunk_ids, cfg.topk, noise)
+    r = (upcast(q).unsqueeze(2) * upcast(memory.landmarks_at(idx))).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
+    w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
+    return idx, w
+
+
+def read_one_chunk_later(carried, made, n_chunks):
+    """Causal retrieval (§3.1): the picks made at the landmark of chunk c are read by the
+    tokens of chunk c+1 (chunk c itself lies in the window). carried: (idx, w) (B, 1, K) made
+    at the last landmark before this segment, None at a stream's start; made: (idx, w) (B, n, K)
+    at the n landmarks of this segment, or None. -> (idx, w) (B, n_chunks, K): the picks each
+    chunk of the segment reads, i.e. `made` shifted one chunk later. Chunk 0 has no landmark
+    before it: picks of weight 0 stand in."""
+    if made is None:  # no landmark here: the segment lies inside one chunk
+        return carried
+    if carried is None:
+        carried = tuple(torch.zeros_like(t[:, :1]) for t in made)
+    return tuple(torch.cat([before, here], 1)[:, :n_chunks] for before, here in zip(carried, made))
+
+
+# -----------------------------------------------------------------------------
 # Grouped cross-attention (Eq. 2). For the S queries of a chunk and its K retrieved chunks:
 #     o = sum_i w_i * softmax(q K_i^T / sqrt(D)) V_i
 # Each retrieved chunk gets its own softmax, and the weights w_i (from the retrieval scores)
 # scale whole outputs; that is what lets the loss reach the retriever. (Chunked cross-
 # attention concatenates the chunks under one softmax, and its scores get no gradient.)
 
-def upcast(x):
-    """fp32 for half types, fp64 stays fp64 (tests run the model in double)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA, PyTorch elsewhere; "triton" / "torch" force one
 
 
 def gca_reference(q, k_mem, v_mem, idx, w):
     """The readable GCA, same signature as gca_kernel.flash_gca:
-    q (B, C, S, H, D) queries by chunk; k_mem, v_mem (B, M, S, H, D) chunk memory;
-    idx (B, C, K) int64 picks in [0, M); w (B, C, K) their weights -> o (B, C, S, H, D)."""
-    B, C, S, H, D = q.shape
+    q (B, N, S, H, D) queries of N chunks; k_mem, v_mem (B, M, S, H, D) chunk memory;
+    idx (B, N, K) int64 picks in [0, M); w (B, N, K) their weights -> o (B, N, S, H, D)."""
+    B, N, S, H, D = q.shape
     b = torch.arange(B, device=q.device)[:, None]  # (B, 1): batch index for gathering by idx
     dtype, q = q.dtype, upcast(q)
     o = torch.zeros_like(q)
     for i in range(idx.size(-1)):  # one pick at a time: memory O(output), not O(K * output)
-        k, v = upcast(k_mem[b, idx[..., i]]), upcast(v_mem[b, idx[..., i]])  # (B, C, S, H, D)
-        att = torch.einsum("bcshd,bcthd->bchst", q, k) / math.sqrt(D)  # (B, C, H, S, S)
+        k, v = upcast(k_mem[b, idx[..., i]]), upcast(v_mem[b, idx[..., i]])  # (B, N, S, H, D)
+        att = torch.einsum("bnshd,bnthd->bnhst", q, k) / math.sqrt(D)  # (B, N, H, S, S)
         att = att.softmax(-1)
-        o = o + w[..., i, None, None, None] * torch.einsum("bchst,bcthd->bcshd", att, v)
+        o = o + w[..., i, None, None, None] * torch.einsum("bnhst,bnthd->bnshd", att, v)
     return o.to(dtype)
 
 
@@ -262,102 +390,7 @@ def gca(q, k_mem, v_mem, idx, w):
 
 
 # -----------------------------------------------------------------------------
-# Retrieval (Eq. 1) and chunk weights (Eq. 3)
-
-
-def softmax_off_by_one(r, off_by_one=True):
-    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries get 0.
-    The 1 is a virtual chunk with score 0 and an empty output: when every pick scores low,
-    the weights all shrink and the group can ignore its retrieval. off_by_one=False is the
-    plain softmax of the release. Rows that are all -inf give all-zero weights either way."""
-    m = r.amax(-1, keepdim=True)
-    m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
-    e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
-    denom = e.sum(-1, keepdim=True) + (torch.exp(-m.detach()) if off_by_one else 0)
-    return e / torch.where(denom > 0, denom, 1)
-
-
-@torch.no_grad()
-def topk_earlier(q, blocks, chunk_ids, k, noise=False):
-    """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
-    blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
-    (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
-    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training).
-    Scores are fp32 whatever the autocast: in bf16 (8 bits of mantissa) near-ties among a
-    million chunks would be decided by rounding, and a stream decoded token by token would
-    pick other chunks than the same stream run in one forward."""
-    B, n, C = q.shape
-    q = upcast(q)
-    best_s = q.new_full((B, n, k), float("-inf"))
-    best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
-    m0 = 0
-    for lm in blocks:  # (B, mb, C)
-        with torch.autocast(q.device.type, enabled=False):  # fp32 even under bf16 autocast: see below
-            s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, mb)
-        if noise:
-            s = s - torch.empty_like(s).exponential_().log()  # -log(Exp(1)) ~ Gumbel(0, 1)
-        j = m0 + torch.arange(lm.size(1), device=q.device)
-        s = s.masked_fill(j[None, None, :] >= chunk_ids[None, :, None], float("-inf"))  # strictly earlier
-        s = torch.cat([best_s, s], -1)
-        best_s, pos = s.topk(k, -1)
-        best_i = torch.cat([best_i, j.expand(B, n, -1)], -1).gather(-1, pos)
-        m0 += lm.size(1)
-    eligible = best_s > float("-inf")  # k > number of earlier chunks leaves empty picks
-    return best_i.masked_fill(~eligible, 0), eligible
-
-
-def retrieve(q, memory, chunk_ids, cfg, training):
-    """Eq. 1 + Eq. 3 for one group. q (B, n, C): normalised states at n landmarks (chunks
-    chunk_ids); memory: the ChunkMemory whose landmarks l_j are scored. Picks the top-k
-    earlier chunks (of Gumbel-noised scores in training) and weights them from the CLEAN
-    scores, through which the retriever gets its gradient. -> idx (B, n, K) int64, w (B, n, K)."""
-    noise = training and cfg.gumbel
-    idx, eligible = topk_earlier(q, memory.lm.views(), chunk_ids, cfg.topk, noise)
-    r = (upcast(q).unsqueeze(2) * upcast(memory.landmarks_at(idx))).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) r = q.l/sqrt(d), fp32
-    w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
-    return idx, w
-
-
-# -----------------------------------------------------------------------------
-# Layers
-
-
-CE_ROWS = 4096  # rows per chunk of LinearCrossEntropy: 4096 x 50,304 fp32 logits = 0.8 GB at a time
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), computed chunk
-    of rows by chunk: x (N, C), weight (V, C), targets (N,) -> a scalar. The (N, V) logits are
-    never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
-    three times that with their fp32 softmax and gradient). The forward takes each chunk's
-    gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
-    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets):
-        acc = torch.promote_types(weight.dtype, torch.float32)  # fp32, or fp64 in the tests
-        n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
-        loss = x.new_zeros((), dtype=acc)
-        dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=acc)
-        for s in range(0, x.size(0), CE_ROWS):
-            xs, ts = x[s : s + CE_ROWS], targets[s : s + CE_ROWS]
-            logits = (xs @ weight.t()).to(acc)  # (rows, V)
-            valid = (ts != -1).to(acc)[:, None]  # (rows, 1)
-            ts = ts.clamp(min=0)[:, None]
-            lse = logits.logsumexp(-1, keepdim=True)
-            loss += ((lse - logits.gather(1, ts)) * valid).sum()
-            g = (logits - lse).exp_().scatter_add_(1, ts, -valid).mul_(valid)  # d loss_sum / d logits
-            dx[s : s + CE_ROWS] = g @ weight
-            dw += g.t() @ xs
-        ctx.save_for_backward(dx, dw, n)
-        ctx.weight_dtype = weight.dtype
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, grad):
-        dx, dw, n = ctx.saved_tensors
-        scale = grad / n
-        return dx * scale.to(dx.dtype), (dw * scale).to(ctx.weight_dtype), None
+# Blocks
 
 
 class RMSNorm(nn.Module):
@@ -420,8 +453,8 @@ class Block(nn.Module):
 
 
 class UpperBlock(Block):
-    """Upper decoder layer: sliding-window self-attention, then GCA over the retrieved chunks,
-    whose output feeds the MLP's input but not the residual stream:
+    """Upper decoder layer (§3.1): sliding-window self-attention, then GCA over the retrieved
+    chunks, whose output feeds the MLP's input but not the residual stream:
         h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))
     (the release found that feeding GCA into the MLP input only, not the carried residual,
     mattered; we keep it)."""
@@ -433,64 +466,239 @@ class UpperBlock(Block):
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.S, self.n_head = cfg.chunk_size, cfg.n_head
 
-    def forward(self, x, pos0, ring, r, mem):  # x (B, L, C); r: slots before x in its first chunk
+    def forward(self, x, pos0, ring, offset, mem):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
         h1 = x + self.attn(self.ln_1(x), pos0, ring)
         if mem is None:  # nothing retrievable yet (the first two chunks of a stream)
             return h1 + self.mlp(self.ln_2(h1))
         k_mem, v_mem, idx, w = mem
         B, L, C = x.shape
-        q = to_chunks(self.q_proj(self.ln_q(h1)), r, self.S)  # (B, nC, S, C)
-        q = q.unflatten(-1, (self.n_head, C // self.n_head))  # (B, nC, S, H, D)
+        q = to_chunks(self.q_proj(self.ln_q(h1)), offset, self.S)  # (B, n_chunks, S, C)
+        q = q.unflatten(-1, (self.n_head, C // self.n_head))  # (B, n_chunks, S, H, D)
         o = gca(q, k_mem, v_mem, idx, w)
-        o = from_chunks(o.flatten(-2), r, L)  # (B, L, C)
+        o = from_chunks(o.flatten(-2), offset, L)  # (B, L, C)
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
 
-def to_chunks(x, r, S):
-    """(B, L, ...) -> (B, nC, S, ...): the segment laid onto whole chunks, with r empty slots
-    in front (its first chunk began in an earlier segment) and empty slots at the end."""
-    nC = -(-(r + x.size(1)) // S)
-    back = nC * S - r - x.size(1)
-    if r or back:
-        x = torch.cat([x.new_zeros(x.size(0), r, *x.shape[2:]), x, x.new_zeros(x.size(0), back, *x.shape[2:])], 1)
-    return x.unflatten(1, (nC, S))
+CE_ROWS = 4096  # rows per chunk of LinearCrossEntropy: 4096 x 50,304 fp32 logits = 0.8 GB at a time
 
 
-def from_chunks(x, r, L):
-    """Inverse of to_chunks: (B, nC, S, ...) -> (B, L, ...)."""
-    return x.flatten(1, 2)[:, r : r + L]
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), computed chunk
+    of rows by chunk: x (N, C), weight (V, C), targets (N,) -> a scalar. The (N, V) logits are
+    never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
+    three times that with their fp32 softmax and gradient). The forward takes each chunk's
+    gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
+    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32."""
 
+    @staticmethod
+    def forward(ctx, x, weight, targets):
+        acc = torch.promote_types(weight.dtype, torch.float32)  # fp32, or fp64 in the tests
+        n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
+        loss = x.new_zeros((), dtype=acc)
+        dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=acc)
+        for s in range(0, x.size(0), CE_ROWS):
+            xs, ts = x[s : s + CE_ROWS], targets[s : s + CE_ROWS]
+            logits = (xs @ weight.t()).to(acc)  # (rows, V)
+            valid = (ts != -1).to(acc)[:, None]  # (rows, 1)
+            ts = ts.clamp(min=0)[:, None]
+            lse = logits.logsumexp(-1, keepdim=True)
+            loss += ((lse - logits.gather(1, ts)) * valid).sum()
+            g = (logits - lse).exp_().scatter_add_(1, ts, -valid).mul_(valid)  # d loss_sum / d logits
+            dx[s : s + CE_ROWS] = g @ weight
+            dw += g.t() @ xs
+        ctx.save_for_backward(dx, dw, n)
+        ctx.weight_dtype = weight.dtype
+        return loss / n
 
-class ChunkEncoder(nn.Module):
-    """Bidirectional encoder of finished chunks (§3.1 of the paper). Input: last lower layer's
-    states, RMSNorm'd, cut into chunks of S. Output per chunk: the landmark vector l (the
-    landmark slot's state) and per-token memory keys/values from ONE pair of projections
-    shared by every upper layer and group. The landmark slot's key and value are zero: a
-    sink key with logit 0 and value 0, i.e. a softmax-off-by-one inside every picked chunk."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
-        self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
-        self.n_head = cfg.n_head
-        is_landmark = torch.zeros(cfg.chunk_size, 1, 1, 1, dtype=torch.bool)
-        is_landmark[-1] = True
-        self.register_buffer("is_landmark", is_landmark, persistent=False)  # (S, 1, 1, 1)
-
-    def forward(self, x):  # x (B, n, S, C) -> kv (B, n, S, 2, H, D), l (B, n, C)
-        B, n, S, C = x.shape
-        h = self.ln_in(x.reshape(B * n, S, C))
-        for block in self.blocks:
-            h = block(h)
-        h = self.ln_f(h).view(B, n, S, C)
-        kv = self.kv_mem(h).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
-        return kv.masked_fill(self.is_landmark, 0), h[:, :, -1]
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw, n = ctx.saved_tensors
+        scale = grad / n
+        return dx * scale.to(dx.dtype), (dw * scale).to(ctx.weight_dtype), None
 
 
 # -----------------------------------------------------------------------------
-# Streaming state: what a stream needs to continue. Memory O(W) per layer for self-
+# The model
+
+
+class DRT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.lower = nn.ModuleList(Block(cfg) for _ in range(cfg.n_lower))
+        self.encoder = ChunkEncoder(cfg) if cfg.groups else None
+        self.ret_norm = nn.ModuleList(RMSNorm(cfg.n_embd) for _ in cfg.groups)  # RMSNorm_g of Eq. 1
+        self.upper = nn.ModuleList(UpperBlock(cfg) for _ in range(cfg.n_upper))
+        self.ln_f = RMSNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual-branch outputs by depth
+            if name.endswith(("c_proj.weight", "o_proj.weight")):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * (cfg.n_lower + cfg.n_upper)))
+
+    def _init_weights(self, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # tied embedding counted once
+
+    def new_state(self, offload=False, start_pos=0):
+        """A fresh stream for incremental decoding / segmented prefill (its batch size is the
+        first forward's). offload=True keeps the chunk keys/values in host memory (§3.2)."""
+        return DecodeState(self.config, self.wte.weight.device, offload, start_pos)
+
+    def layout(self, idx, n0):
+        """Insert landmarks (§3.1 of the paper). idx (B, T) text ids continuing a stream that has
+        n0 positions -> ids (B, L) of positions, landmark after every S-1 text tokens (eagerly:
+        a chunk whose last text token arrives is finished in the same call), and the segment's
+        offset n0 % S in its first chunk."""
+        S, (B, T) = self.config.chunk_size, idx.shape
+        offset = n0 % S
+        n_chunks = cdiv(offset + T, S - 1)
+        grid = torch.full((B, n_chunks * (S - 1)), self.config.landmark_id, dtype=idx.dtype, device=idx.device)
+        grid[:, offset : offset + T] = idx
+        grid = torch.cat([grid.view(B, n_chunks, S - 1), grid.new_full((B, n_chunks, 1), self.config.landmark_id)], 2)
+        n_full, rem = divmod(offset + T, S - 1)  # finished chunks (landmark included) and leftover tokens
+        return grid.view(B, n_chunks * S)[:, offset : n_full * S + rem], offset
+
+    def check_input(self, idx, targets):
+        cfg = self.config
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be a (B, T) integer tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
+        if idx.size(1) == 0:
+            raise ValueError("idx has T=0 tokens: the model needs at least one token per sequence")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
+        if not torch.compiler.is_compiling():
+            bad = (idx < 0) | (idx >= cfg.vocab_size) | (idx == cfg.landmark_id)
+            if bad.any():
+                v = idx[bad][0].item()
+                why = "the landmark id, reserved" if v == cfg.landmark_id else f"outside [0, {cfg.vocab_size})"
+                raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
+
+    def forward(self, idx, targets=None, state=None, return_logits=True):
+        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over
+        the text positions and the mean cross-entropy. Without: logits of the last position
+        (B, 1, vocab), loss None. state: a DecodeState to continue (and update), or None for
+        a stream that starts at idx[:, 0] and ends with the call (training). return_logits=False
+        (training): logits None, and the loss computed at the targeted positions only, never
+        holding (B, T, vocab)."""
+        self.check_input(idx, targets)
+        S, T = self.config.chunk_size, idx.size(1)
+        state = state if state is not None else OneCall(self.config)  # the one `state is None` check
+        ids, offset = self.layout(idx, state.n)  # (B, L) positions of this segment
+        pos0 = state.pos  # absolute position of ids[:, 0]
+        x = self.wte(ids)  # (B, L, C)
+        for block, ring in zip(self.lower, state.rings):
+            x = block(x, pos0, ring)
+        if self.encoder is not None:
+            n_done = self.encode_finished_chunks(x, state)
+            x = self.upper_groups(x, offset, pos0, n_done, state)
+        state.advance(ids.size(1))
+        # logits only at text positions: landmarks predict nothing
+        x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C)
+        if targets is None:
+            return self.lm_head(x[:, -1:]), None
+        if not return_logits:  # training: the loss without ever holding all (B, T, vocab) logits
+            return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def encode_finished_chunks(self, x, state):
+        """The chunk encoder (§3.1) over every chunk whose landmark is in this segment, x (B, L, C)
+        the last lower layer's states; a chunk's first slots may come from earlier segments, which
+        the state kept. The outputs go into the state's memory. -> the number of such chunks."""
+        B, L, C = x.shape
+        S = self.config.chunk_size
+        pending = state.unfinished(x)  # (B, offset + L, C): the unfinished chunk's earlier slots, then x
+        n_done = pending.size(1) // S  # chunks finished here = landmarks in this segment
+        kv_l = self.encoder(pending[:, : n_done * S].view(B, n_done, S, C)) if n_done else None
+        state.remember(kv_l, pending[:, n_done * S :])
+        return n_done
+
+    def upper_groups(self, x, offset, pos0, n_done, state):
+        """The upper layers, group by group. A group retrieves at this segment's n_done landmarks
+        from its own input (Eq. 1), and in its layers chunk c reads the picks made at the landmark
+        of chunk c-1 (GCA, Eq. 2). x (B, L, C) -> (B, L, C)."""
+        cfg, S, memory = self.config, self.config.chunk_size, state.memory
+        c0 = state.n // S  # stream index of the segment's first chunk
+        n_chunks = cdiv(offset + x.size(1), S)  # chunks this segment touches: c0 .. c0+n_chunks-1
+        landmark_chunks = c0 + torch.arange(n_done, device=x.device)  # (n_done,) chunks whose landmark is here
+        rings, layer = state.rings[cfg.n_lower :], 0
+        for g, size in enumerate(cfg.groups):
+            made = None
+            if n_done:
+                at_landmarks = to_chunks(x, offset, S)[:, :n_done, S - 1]  # (B, n_done, C) this group's input there
+                made = retrieve(self.ret_norm[g](at_landmarks), memory, landmark_chunks, cfg, self.training)
+            picks = read_one_chunk_later(state.picks[g], made, n_chunks)  # (idx, w) (B, n_chunks, K)
+            mem = None
+            if memory.M and c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing to read
+                idx, w = picks
+                mem = (*state.fetch(g, idx), w)
+            for block, ring in zip(self.upper[layer : layer + size], rings[layer : layer + size]):
+                x = block(x, pos0, ring, offset, mem)
+            layer += size
+            if made is not None:
+                state.keep_picks(g, made)
+        return x
+
+    # -------------------------------------------------------------------------
+    # training and sampling helpers
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; weight decay on matrices only (not on norm gains)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    def flops_per_token(self):
+        """Training FLOPs (forward + backward = 3x forward) per text token, counting matmuls:
+        2 per weight per position, attention 4*keys*C per position and layer."""
+        cfg, C, S = self.config, self.config.n_embd, self.config.chunk_size
+        per_pos = 2 * (self.num_params() - self.wte.weight.numel())  # every matrix but the embedding runs per position
+        per_pos += 4 * C * cfg.window * (cfg.n_lower + cfg.n_upper)  # sliding-window attention
+        per_pos += 4 * C * S * cfg.n_enc  # chunk encoder attention
+        per_pos += 4 * C * S * cfg.topk * cfg.n_upper  # GCA over K chunks of S
+        lm_head = 2 * self.wte.weight.numel()  # once per text token
+        return 3 * (per_pos * S / (S - 1) + lm_head)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
+        """Continue idx (B, T) by max_new_tokens, one token per step, with O(W) self-attention
+        caches and the chunk memory (§3.2 of the paper). The prompt is prefilled in segments of
+        prefill_segment tokens. Returns (B, max_new_tokens) new ids."""
+        state = state if state is not None else self.new_state()
+        for s in range(0, idx.size(1), prefill_segment):
+            logits, _ = self(idx[:, s : s + prefill_segment], state=state)
+        out = []
+        for _ in range(max_new_tokens):
+            logits = logits[:, -1, : self.config.landmark_id].float()  # never sample the landmark or padding ids
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = float("-inf")
+                nxt = torch.multinomial(F.softmax(logits, -1), 1)
+            out.append(nxt)
+            logits, _ = self(nxt, state=state)
+        return torch.cat(out, 1)
+
+
+# -----------------------------------------------------------------------------
+# Streaming state (§3.2): what a stream needs to continue. Memory O(W) per layer for self-
 # attention (a ring buffer, not a cache that grows with the context), plus the chunk memory.
+# DRT.forward takes its steps in order: rings, unfinished -> remember, picks / fetch ->
+# keep_picks, advance. DecodeState keeps a stream across calls; OneCall is a stream that ends
+# with its call (training), with the same methods.
 
 
 class KVRing:
@@ -567,7 +775,8 @@ class ChunkMemory:
     landmarks (B, M, C), in Blocks, so a million chunks are never re-copied as they come.
     Landmarks stay on the compute device (retrieval scores them block by block). With
     offload=True the keys/values live in host memory, 2*S*C*bytes per chunk, and only the
-    picked chunks travel to the device: GPU memory grows by the landmarks alone (§3.2)."""
+    picked chunks travel to the device: GPU memory grows by the landmarks alone (§3.2).
+    append is the one way in; ChunkMemory.of views a training sequence's encoder outputs."""
 
     LM_BLOCKS = (256, 65536)  # landmark blocks: rows of the first block, rows of the largest
     KV_BLOCKS = (64, 16384)  # key/value blocks: the same, so at 1M chunks a fetch touches <= ~70 blocks
@@ -617,7 +826,7 @@ class ChunkMemory:
 
 
 class DecodeState:
-    """A stream in progress (§3.4 of the paper, inference). Create with DRT.new_state; pass to
+    """A stream in progress (§3.2 of the paper, inference). Create with DRT.new_state; pass to
     every forward of the stream. Prompts in one batch share their length. An inference object:
     it stores detached tensors, so no autograd graph outlives a call and memory stays
     O(W + chunks) however long the stream runs with gradients enabled."""
@@ -631,195 +840,52 @@ class DecodeState:
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.fetched = [None] * len(cfg.groups)  # offload: per group, picks[g]'s chunks already on the device
 
+    @property
+    def pos(self):  # absolute position of the next slot
+        return self.n + self.start_pos
 
-# -----------------------------------------------------------------------------
-# The model
+    def unfinished(self, x):  # x (B, L, C) -> (B, n % S + L, C): the unfinished chunk's earlier slots first
+        return x if self.chunk_buf is None else torch.cat([self.chunk_buf, x], 1)
+
+    def remember(self, kv_l, rest):  # kv_l: the encoder's (kv, l) of the chunks finished, or None
+        # a copy: a view would keep the whole segment (and its graph) alive until the chunk completes
+        self.chunk_buf = rest.detach().clone()
+        if kv_l is not None:
+            self.memory.append(*kv_l)
+
+    def fetch(self, g, idx):  # keys/values of group g's picks idx (B, n, K): see ChunkMemory.fetch
+        if idx.size(1) == 1 and self.fetched[g] is not None:  # inside one chunk: its picks were prefetched
+            return self.fetched[g]
+        return self.memory.fetch(idx)
+
+    def keep_picks(self, g, made):  # made (idx, w) (B, n, K); the last landmark's picks serve the next chunk
+        idx, w = made
+        self.picks[g] = (idx[:, -1:], w[:, -1:].detach())
+        if self.memory.offload:  # prefetch: the copy runs while this call finishes; the next S tokens reuse it
+            self.fetched[g] = self.memory.fetch(self.picks[g][0])
+
+    def advance(self, L):
+        self.n += L
 
 
-class DRT(nn.Module):
+class OneCall(DecodeState):
+    """The state of a stream that starts at the call's first token and ends with the call
+    (state=None: training, one-shot evaluation). Nothing outlives the call, so it has no rings
+    (attention over the whole segment; FlexAttention on a GPU), carries no picks, and its
+    memory is the encoder's outputs themselves, which keep their autograd graph: the loss
+    trains the encoder through GCA (Eq. 2) and the landmarks through the weights (Eq. 1, 3)."""
+
     def __init__(self, cfg):
-        super().__init__()
-        self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.lower = nn.ModuleList(Block(cfg) for _ in range(cfg.n_lower))
-        self.encoder = ChunkEncoder(cfg) if cfg.groups else None
-        self.ret_norm = nn.ModuleList(RMSNorm(cfg.n_embd) for _ in cfg.groups)  # RMSNorm_g of Eq. 1
-        self.upper = nn.ModuleList(UpperBlock(cfg) for _ in range(cfg.n_upper))
-        self.ln_f = RMSNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: scale residual-branch outputs by depth
-            if name.endswith(("c_proj.weight", "o_proj.weight")):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * (cfg.n_lower + cfg.n_upper)))
+        self.n = self.start_pos = 0
+        self.rings = [None] * (cfg.n_lower + cfg.n_upper)
+        self.chunk_buf = self.memory = None
+        self.picks, self.fetched = [None] * len(cfg.groups), [None] * len(cfg.groups)
 
-    def _init_weights(self, m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, 0.02)
+    def remember(self, kv_l, rest):
+        self.memory = ChunkMemory.of(*kv_l) if kv_l is not None else ChunkMemory(rest.device)
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())  # tied embedding counted once
-
-    def new_state(self, offload=False, start_pos=0):
-        """A fresh stream for incremental decoding / segmented prefill (its batch size is the
-        first forward's). offload=True keeps the chunk keys/values in host memory (§3.2)."""
-        return DecodeState(self.config, self.wte.weight.device, offload, start_pos)
-
-    def layout(self, idx, n0):
-        """Insert landmarks (§3.1 of the paper). idx (B, T) text ids continuing a stream that has
-        n0 positions -> ids (B, L) of positions, landmark after every S-1 text tokens (eagerly:
-        a chunk whose last text token arrives is finished in the same call), and r = n0 % S."""
-        S, (B, T) = self.config.chunk_size, idx.shape
-        r = n0 % S
-        nC = -(-(r + T) // (S - 1))
-        grid = torch.full((B, nC * (S - 1)), self.config.landmark_id, dtype=idx.dtype, device=idx.device)
-        grid[:, r : r + T] = idx
-        grid = torch.cat([grid.view(B, nC, S - 1), grid.new_full((B, nC, 1), self.config.landmark_id)], 2)
-        n_full, rem = divmod(r + T, S - 1)  # finished chunks (landmark included) and leftover tokens
-        return grid.view(B, nC * S)[:, r : n_full * S + rem], r
-
-    def check_input(self, idx, targets):
-        cfg = self.config
-        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must be a (B, T) integer tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
-        if idx.size(1) == 0:
-            raise ValueError("idx has T=0 tokens: the model needs at least one token per sequence")
-        if targets is not None and targets.shape != idx.shape:
-            raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
-        if not torch.compiler.is_compiling():
-            bad = (idx < 0) | (idx >= cfg.vocab_size) | (idx == cfg.landmark_id)
-            if bad.any():
-                v = idx[bad][0].item()
-                why = "the landmark id, reserved" if v == cfg.landmark_id else f"outside [0, {cfg.vocab_size})"
-                raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
-
-    def forward(self, idx, targets=None, state=None, return_logits=True):
-        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over
-        the text positions and the mean cross-entropy. Without: logits of the last position
-        (B, 1, vocab), loss None. state: a DecodeState to continue (and update), or None for
-        a stream that starts at idx[:, 0]. return_logits=False (training): logits None, and
-        the loss computed at the targeted positions only, never holding (B, T, vocab)."""
-        self.check_input(idx, targets)
-        cfg, S = self.config, self.config.chunk_size
-        n0 = state.n if state is not None else 0
-        ids, r = self.layout(idx, n0)  # (B, L) positions of this segment
-        B, L = ids.shape
-        pos0 = n0 + (state.start_pos if state is not None else 0)
-        rings = state.rings if state is not None else [None] * (cfg.n_lower + cfg.n_upper)
-        x = self.wte(ids)  # (B, L, C)
-
-        for block, ring in zip(self.lower, rings):
-            x = block(x, pos0, ring)
-
-        if self.encoder is not None:
-            x = self.remember_and_retrieve(x, r, n0, pos0, state, rings[cfg.n_lower :])
-
-        # logits only at text positions: landmarks predict nothing
-        x = to_chunks(self.ln_f(x), r, S)[:, :, : S - 1].flatten(1, 2)[:, r : r + idx.size(1)]  # (B, T, C)
-        if state is not None:
-            state.n = n0 + L
-        if targets is None:
-            return self.lm_head(x[:, -1:]), None
-        if not return_logits:  # training: the loss without ever holding all (B, T, vocab) logits
-            return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return logits, loss
-
-    def remember_and_retrieve(self, x, r, n0, pos0, state, rings):
-        """Chunk encoder (memory of every chunk finished in this segment), then the upper
-        groups, each retrieving from its own input states at the landmarks."""
-        cfg, S = self.config, self.config.chunk_size
-        B, L, C = x.shape
-        c0 = n0 // S  # global index of the segment's first chunk
-
-        # -- encode the chunks finished in this segment (their lower states may start in an earlier one)
-        buf = x if state is None or state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, r + L, C)
-        n_done = buf.size(1) // S  # chunks finished here = landmarks in this segment
-        kvl = self.encoder(buf[:, : n_done * S].view(B, n_done, S, C)) if n_done else None
-        if state is None:
-            memory = ChunkMemory.of(*kvl) if n_done else ChunkMemory(x.device)
-        else:
-            # a copy: a view would keep the whole segment (and its graph) alive until the chunk completes
-            memory, state.chunk_buf = state.memory, buf[:, n_done * S :].detach().clone()
-            if n_done:
-                memory.append(*kvl)
-
-        # -- upper groups. Chunk c reads the retrieval made at the landmark of chunk c-1.
-        nC = -(-(r + L) // S)  # chunks this segment touches: c0 .. c0+nC-1
-        done_ids = c0 + torch.arange(n_done, device=x.device)  # chunks whose landmark is in this segment
-        layer = 0
-        for g, size in enumerate(cfg.groups):
-            prev = state.picks[g] if state is not None else None
-            if prev is None:  # chunk c0 = 0: nothing before it; a pick with weight 0 stands in
-                prev = (torch.zeros(B, 1, cfg.topk, dtype=torch.long, device=x.device),
-                        torch.zeros(B, 1, cfg.topk, device=x.device))
-            idx, w = prev
-            if n_done:
-                at_landmarks = to_chunks(x, r, S)[:, :n_done, S - 1]  # (B, n_done, C) this group's input there
-                new_idx, new_w = retrieve(self.ret_norm[g](at_landmarks), memory, done_ids, cfg, self.training)
-                idx, w = torch.cat([idx, new_idx], 1)[:, :nC], torch.cat([w, new_w], 1)[:, :nC]  # (B, nC, K)
-            mem = None
-            if memory.M and c0 + nC > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing to read
-                if memory.offload and nC == 1 and state.fetched[g] is not None:
-                    mem = (*state.fetched[g], w)
-                else:
-                    k_mem, v_mem, idx_mem = memory.fetch(idx)
-                    mem = (k_mem, v_mem, idx_mem, w)
-            for block in self.upper[layer : layer + size]:
-                x = block(x, pos0, rings[layer], r, mem)
-                layer += 1
-            if state is not None and n_done:
-                state.picks[g] = (new_idx[:, -1:], new_w[:, -1:].detach())
-                if memory.offload:  # prefetch: the copy runs while this call finishes; the next S tokens reuse it
-                    state.fetched[g] = memory.fetch(state.picks[g][0])
-        return x
-
-    # -------------------------------------------------------------------------
-    # training and sampling helpers
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW; weight decay on matrices only (not on norm gains)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
-
-    def flops_per_token(self):
-        """Training FLOPs (forward + backward = 3x forward) per text token, counting matmuls:
-        2 per weight per position, attention 4*keys*C per position and layer."""
-        cfg, C, S = self.config, self.config.n_embd, self.config.chunk_size
-        per_pos = 2 * (self.num_params() - self.wte.weight.numel())  # every matrix but the embedding runs per position
-        per_pos += 4 * C * cfg.window * (cfg.n_lower + cfg.n_upper)  # sliding-window attention
-        per_pos += 4 * C * S * cfg.n_enc  # chunk encoder attention
-        per_pos += 4 * C * S * cfg.topk * cfg.n_upper  # GCA over K chunks of S
-        lm_head = 2 * self.wte.weight.numel()  # once per text token
-        return 3 * (per_pos * S / (S - 1) + lm_head)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
-        """Continue idx (B, T) by max_new_tokens, one token per step, with O(W) self-attention
-        caches and the chunk memory (§3.2 of the paper). The prompt is prefilled in segments of
-        prefill_segment tokens. Returns (B, max_new_tokens) new ids."""
-        state = state if state is not None else self.new_state()
-        for s in range(0, idx.size(1), prefill_segment):
-            logits, _ = self(idx[:, s : s + prefill_segment], state=state)
-        out = []
-        for _ in range(max_new_tokens):
-            logits = logits[:, -1, : self.config.landmark_id].float()  # never sample the landmark or padding ids
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = float("-inf")
-                nxt = torch.multinomial(F.softmax(logits, -1), 1)
-            out.append(nxt)
-            logits, _ = self(nxt, state=state)
-        return torch.cat(out, 1)
+    def keep_picks(self, g, made):  # no next call to serve
+        pass
 
 
 if __name__ == "__main__":

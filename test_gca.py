@@ -328,6 +328,63 @@ def test_bad_input_errors():
             tiny_config(**bad)
 
 
+def test_layout_landmarks():
+    """DRT.layout (§3.1): the landmark id at every stream position p with p % S == S-1, the text
+    ids in order at every other; a chunk whose last text token arrives gets its landmark in the
+    same call; a stream given in pieces is laid out as in one call, each piece at offset n0 % S."""
+    model = tiny_model()
+    cfg, S = model.config, model.config.chunk_size
+    idx = tokens(cfg, 2, 3 * (S - 1) + 2, seed=18)
+    ids, offset = model.layout(idx, 0)
+    is_landmark = torch.arange(3 * S + 2) % S == S - 1
+    assert offset == 0 and ids.shape == (2, 3 * S + 2)
+    assert (ids[:, is_landmark] == cfg.landmark_id).all() and torch.equal(ids[:, ~is_landmark], idx)
+    n0, parts = 0, []
+    for a, b in [(0, 5), (5, 7), (7, 8), (8, 3 * (S - 1) + 2)]:  # (5, 7) ends on a chunk's last text token
+        part, offset = model.layout(idx[:, a:b], n0)
+        assert offset == n0 % S
+        parts.append(part)
+        n0 += part.size(1)
+    assert parts[1][0, -1] == cfg.landmark_id and torch.equal(torch.cat(parts, 1), ids)
+
+
+def test_encoder_landmark_is_a_zero_sink():
+    """The chunk encoder zeroes the landmark slot's memory key and value (§3.1): in every picked
+    chunk that slot is a key with logit 0 and value 0, so GCA over one chunk is a softmax-off-
+    by-one over its S-1 text tokens (Eq. 3 inside the chunk): a query matching none of them
+    takes little from the chunk, instead of being forced to average its values."""
+    model = tiny_model()
+    cfg, S, H = model.config, model.config.chunk_size, model.config.n_head
+    D = cfg.n_embd // H
+    torch.manual_seed(19)
+    kv, l = model.encoder(torch.randn(2, 3, S, cfg.n_embd, dtype=torch.float64))
+    assert kv.shape == (2, 3, S, 2, H, D) and l.shape == (2, 3, cfg.n_embd)
+    assert (kv[:, :, S - 1] == 0).all() and (kv[:, :, : S - 1] != 0).all()
+    k_mem, v_mem = kv.unbind(3)  # (B, M, S, H, D)
+    q = 3 * torch.randn(2, 1, S, H, D, dtype=torch.float64)
+    idx, w = torch.tensor([1, 2]).view(2, 1, 1), torch.ones(2, 1, 1, dtype=torch.float64)
+    o = gca_reference(q, k_mem, v_mem, idx, w)[:, 0]  # (B, S, H, D)
+    k, v = k_mem[[0, 1], [1, 2], : S - 1], v_mem[[0, 1], [1, 2], : S - 1]  # the text tokens of each pick
+    p = softmax_off_by_one(torch.einsum("bshd,bthd->bhst", q[:, 0], k) / math.sqrt(D))
+    torch.testing.assert_close(o, torch.einsum("bhst,bthd->bshd", p, v))
+
+
+def test_picks_read_one_chunk_later():
+    """The picks made at the landmark of chunk c are what chunk c+1 reads: a segment's chunks read
+    the picks carried from before it, then those of its own landmarks, the last of which (if the
+    segment ends on a landmark) serves the next segment; at a stream's start, weight-0 picks."""
+    from model import read_one_chunk_later
+    carried = (torch.full((2, 1, 3), 7), torch.rand(2, 1, 3))
+    made = (torch.randint(0, 7, (2, 4, 3)), torch.rand(2, 4, 3))
+    for n_chunks in (4, 5):  # the segment ends on its 4th landmark, or goes on into a 5th chunk
+        idx, w = read_one_chunk_later(carried, made, n_chunks)
+        assert torch.equal(idx, torch.cat([carried[0], made[0]], 1)[:, :n_chunks])
+        assert torch.equal(w[:, 1:], made[1][:, : n_chunks - 1]) and torch.equal(w[:, :1], carried[1])
+    idx, w = read_one_chunk_later(None, made, 5)
+    assert torch.equal(idx[:, 1:], made[0]) and (w[:, 0] == 0).all() and torch.equal(w[:, 1:], made[1])
+    assert read_one_chunk_later(carried, None, 1) is carried
+
+
 # -----------------------------------------------------------------------------
 # GCA: the reference against a loop over every (batch, chunk, pick, head, query)
 
@@ -1838,18 +1895,3 @@ def test_bench_gca_without_gpu(monkeypatch):
     k = re.search(r"python -m pytest -q test_gca.py -k (\w+)$", msg).group(1)
     assert [n for n in globals() if n.startswith("test_flash_gca") and k in n]  # run on a CPU, not CUDA-only
 
-
-def test_toy_retrieval_runs():
-    """The CPU experiment of README (Passkey): its task is what it says, and it runs."""
-    import random
-
-    import toy_retrieval as toy
-    x, y, depths = toy.batch(6, 5, 15, random.Random(0), min_depth=30)
-    assert x.shape == y.shape == (5, 90) and (depths >= 30).all()
-    for b in range(5):
-        d = int(depths[b])
-        assert x[b, d] == x[b, d + 2] == toy.KEY and (y[b, :-1] == -1).all() and y[b, -1] == x[b, d + 1] < 10
-        assert x[b, -3:].tolist() == [toy.Q] * 3
-    rows = toy.main(["--steps=2", "--eval_every=1", "--chunks=4", "--window=1", "--min_depth=1", "--test=4,6"])
-    assert [step for step, _ in rows] == [0, 1, 2]
-    assert all(0 <= acc <= 1 and (found != found or 0 <= found <= 1) for _, res in rows for acc, found in res)
