@@ -3,12 +3,13 @@ Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time
 formatting, the --lengths parser, a GPU's peak FLOP/s (for MFU) and peak memory. Not run on its own.
 
     from common import fmt_time, parse_lengths, peak_flops, peak_mem_gib
+
+torch is imported inside the functions that use it, so prepare_pg19.py and its worker
+processes, which need only fmt_time, do not load it.
 """
 
 import resource
 import sys
-
-import torch
 
 # dense bf16 tensor-core peak FLOP/s by device name (the first key found in the name wins: PCIe first)
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
@@ -43,6 +44,7 @@ def parse_lengths(text):
 
 def peak_flops(device):
     """bf16 dense peak FLOP/s of one GPU by its name, or None (a CPU, an unknown GPU: MFU n/a)."""
+    import torch
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -53,6 +55,7 @@ def peak_flops(device):
 def peak_mem_gib(device="cpu"):
     """Peak memory in GiB: on a GPU the most torch allocated there (since the last
     torch.cuda.reset_peak_memory_stats), else this process's peak resident host memory."""
+    import torch
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30

@@ -99,12 +99,15 @@ PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how f
 
 
 def model_block():
-    """[(field, comment)] of DRTConfig, each comment the one after (or above) the field in model.py."""
+    """[(field, comment)] of DRTConfig, each comment the one after the field in model.py (or above it)."""
     said, above = {}, []
-    for line in inspect.getsource(DRTConfig).splitlines():
-        if m := re.match(r"\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line):
+    for line in inspect.getsource(DRTConfig).split(":\n", 1)[1].splitlines():  # after "class DRTConfig:"
+        text = line.strip()
+        if text.startswith(("def ", "@")):  # the fields are over
+            break
+        if m := re.match(r"(\w+)\s*:[^#]*(?:#\s*(.*))?$", text):
             said[m[1]] = m[2] or " ".join(above)
-        above = above + [line.strip()[1:].strip()] if line.strip().startswith("#") else []
+        above = above + [text.lstrip("# ")] if text.startswith("#") else []
     return [(f.name, said.get(f.name, "")) for f in dataclasses.fields(DRTConfig)]
 
 
@@ -125,9 +128,11 @@ def read_block():
     return rows
 
 
+MODEL_DEFAULTS = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                  for f in dataclasses.fields(DRTConfig)}
+MODEL_KEYS = list(MODEL_DEFAULTS)
 BLOCK = read_block()
-MODEL_KEYS = [f.name for f in dataclasses.fields(DRTConfig)]
-DEFAULTS = {k: getattr(DRTConfig, k) if k in MODEL_KEYS else globals()[k] for k, _ in BLOCK if k}
+DEFAULTS = {k: MODEL_DEFAULTS[k] if k in MODEL_KEYS else globals()[k] for k, _ in BLOCK if k}
 HINTS = typing.get_type_hints(DRTConfig)
 
 
@@ -211,28 +216,22 @@ def print_help():
 
 
 def check_config(config):
-    c, bad = types.SimpleNamespace(**config), []
-    for k in ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout"):
-        if config[k] < 1:
-            bad.append(f"{k}={config[k]} must be a positive int")
-    if not c.init_from:  # a str already (parse_config checks types)
-        bad.append(f"init_from={c.init_from!r} must be 'scratch', 'resume' or the path of a checkpoint")
-    if c.task_min_depth < 0:
-        bad.append(f"task_min_depth={c.task_min_depth} must be >= 0")
-    if not 0 <= c.stop_iter <= c.max_iters:
-        bad.append(f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]")
-    if not 0 <= c.warmup_frac < 1:
-        bad.append(f"warmup_frac={c.warmup_frac} must lie in [0, 1)")
-    if not 0 <= c.min_lr <= c.learning_rate:
-        bad.append(f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]")
-    if c.tokens_per_step < 0 or c.grad_clip < 0:
-        bad.append("tokens_per_step and grad_clip must be >= 0")
-    if not 0 <= c.task_haystack_frac <= 1:
-        bad.append(f"task_haystack_frac={c.task_haystack_frac} must lie in [0, 1]")
-    if c.task_loss not in ("all", "answer"):
-        bad.append(f"task_loss={c.task_loss!r} must be 'all' or 'answer'")
-    if c.dtype not in ("auto", "bfloat16", "float32"):
-        bad.append(f"dtype={c.dtype!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)")
+    """The values' ranges (parse_config checked their types): every problem in one line."""
+    c = types.SimpleNamespace(**config)
+    positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
+    bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
+    bad += [why for wrong, why in [
+        (not c.init_from, f"init_from={c.init_from!r} must be 'scratch', 'resume' or the path of a checkpoint"),
+        (c.task_min_depth < 0, f"task_min_depth={c.task_min_depth} must be >= 0"),
+        (not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
+        (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
+        (not 0 <= c.min_lr <= c.learning_rate, f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
+        (c.tokens_per_step < 0 or c.grad_clip < 0, "tokens_per_step and grad_clip must be >= 0"),
+        (not 0 <= c.task_haystack_frac <= 1, f"task_haystack_frac={c.task_haystack_frac} must lie in [0, 1]"),
+        (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
+        (c.dtype not in ("auto", "bfloat16", "float32"),
+         f"dtype={c.dtype!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)"),
+    ] if wrong]
     if bad:
         raise ConfigError("; ".join(bad))
 
