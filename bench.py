@@ -1,29 +1,191 @@
 """
-Benchmarks of the whole model on one GPU; each prints a table.
+Benchmarks on one CUDA GPU, each printing a table: the FlashGCA kernel, a training step of the
+whole model, and streaming a long context.
 
+    python bench.py --kernel                 # FlashGCA (gca_kernel.py) vs the naive PyTorch GCA
+    python bench.py --kernel --check         # first: the kernel's errors vs an fp32 reference (exit 1 if off)
+    python bench.py --kernel --sweep         # first: try num_warps/num_stages per kernel, print the best
     python bench.py --train                  # a training step: DRT vs the sliding-window baseline, kernel vs PyTorch GCA
     python bench.py --long                   # streaming a long context: time and GPU/host memory vs length
     python bench.py --long --lengths=1M,4M,16M --n_embd=256 --offload
 
---train times forward+backward+AdamW of the paper's 146M models at 16,380-token sequences
-(bf16 autocast) and reports ms/step, tok/s, MFU and peak memory. --long feeds a random-init
-DRT a stream of random tokens in prefill segments, through DecodeState, and reports
-seconds, tokens/s, peak GPU memory and the chunk memory's bytes (host with --offload).
-Memory does not depend on the weights, so a random model measures it. Kernel timings are
-in bench_gca.py.
+--kernel times forward and forward+backward of FlashGCA and of the naive path (gather the picked
+chunks, einsum, softmax) at DRT's training shape and variations: time (triton.testing.do_bench
+median, 25 ms warmup), TFLOP/s and peak memory above what was allocated before the call (forward:
+with autograd on, so it includes the saved tensors). FLOPs follow the flash-attention convention:
+fwd = 4*B*C*K*H*S*S*D (per pick, q k^T and p v), fwd+bwd = 3.5 * fwd; the kernels execute more
+(the backward recomputes q k^T and dO v^T in both of its kernels: 7 matmuls against 5).
+--train times forward+backward+AdamW of the paper's 146M models at 16,380-token sequences (bf16
+autocast): ms/step, tok/s, MFU, peak memory. --long feeds a random-init DRT a stream of random
+tokens in prefill segments, through DecodeState: seconds, tokens/s, peak GPU memory and the chunk
+memory's bytes (host with --offload). Memory does not depend on the weights: a random model
+measures it. Without a GPU, --train and --long run at toy sizes with --device=cpu (a smoke test).
 """
 
 import argparse
 import ast
+import functools
+import math
 import time
 
 import torch
 
 import model as drt
+from common import fmt_len, parse_lengths, peak_flops, peak_mem_gib
 from model import DRT, DRTConfig
-from sample import fmt_len, parse_lengths, peak_host_gib
-from train import peak_flops
 
+# -----------------------------------------------------------------------------
+# --kernel
+
+# (B, C, M, S, H, D, K, dtype, note), the order of test_gca.py's kernel cases: batch, query chunks,
+# memory chunks, chunk size, heads, head width, picks. DRT's training shape first: 4 x 16,380
+# tokens = 4 x 260 chunks of 63 + 1 landmark, 12 heads of 64, top-8
+SHAPES = [
+    (4, 260, 260, 64, 12, 64, 8, torch.bfloat16, "DRT training"),
+    (4, 260, 260, 64, 12, 64, 8, torch.float16, ""),
+    (4, 260, 260, 64, 12, 64, 8, torch.bfloat16, "hot chunk 0"),
+    (4, 260, 260, 64, 12, 64, 1, torch.bfloat16, ""),
+    (4, 260, 260, 64, 12, 64, 16, torch.bfloat16, ""),
+    (4, 260, 260, 64, 24, 32, 8, torch.bfloat16, ""),
+    (4, 260, 260, 64, 6, 128, 8, torch.bfloat16, ""),
+]
+
+
+def gca_naive(q, k_mem, v_mem, idx, w):
+    """The PyTorch path: gathered copies of the picked K/V, softmax in fp32."""
+    B, C, S, H, D = q.shape
+    k = k_mem[torch.arange(B, device=q.device)[:, None, None], idx]  # (B, C, K, S, H, D)
+    v = v_mem[torch.arange(B, device=q.device)[:, None, None], idx]  # (B, C, K, S, H, D)
+    s = torch.einsum("bcshd,bckthd->bchkst", q, k) / math.sqrt(D)  # (B, C, H, K, S, S)
+    p = s.float().softmax(-1).to(q.dtype) * w[:, :, None, :, None, None].to(q.dtype)
+    return torch.einsum("bchkst,bckthd->bcshd", p, v)  # (B, C, S, H, D)
+
+
+def make_inputs(shape, seed=0, device="cuda"):
+    """Random q/k/v for shape (a SHAPES row); each query chunk c picks K random chunks among those
+    < c (weight 0 for the picks it does not have: chunk c has only c eligible)."""
+    B, C, M, S, H, D, K, dtype, note = shape
+    torch.manual_seed(seed)
+    q = torch.randn(B, C, S, H, D, device=device, dtype=dtype)
+    k = torch.randn(B, M, S, H, D, device=device, dtype=dtype)
+    v = torch.randn(B, M, S, H, D, device=device, dtype=dtype)
+    score = torch.randn(B, C, M, device=device)  # stand-in retrieval scores
+    eligible = torch.arange(M, device=device)[None, :] < torch.arange(C, device=device)[:, None]  # (C, M)
+    if "hot" in note:
+        score[:, :, 0] += 100.0  # everyone's favourite chunk
+    top, idx = score.masked_fill(~eligible, -math.inf).topk(K, dim=-1)  # (B, C, K)
+    w = torch.rand(B, C, K, device=device) * top.isfinite()  # weight 0 for ineligible picks
+    do = torch.randn(B, C, S, H, D, device=device, dtype=dtype)
+    return q, k, v, idx, w, do
+
+
+def peak_extra_mib(fn):
+    """The most memory fn() allocates above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def rel(x, ref):
+    return ((x.float() - ref).norm() / ref.norm()).item()
+
+
+def check(flash_gca):
+    """Kernel vs the naive path in fp32, at the training shape: o and all grads. True if all pass."""
+    ok, tol = True, {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v, idx, w, do = make_inputs((*SHAPES[0][:7], dtype, ""), seed=1)
+        w[0, -1, 0] = 0.0  # an eligible pick with weight 0: its dw must still be right
+        ins = [x.clone().requires_grad_() for x in (q, k, v, w)]
+        o = flash_gca(ins[0], ins[1], ins[2], idx, ins[3])
+        grads = torch.autograd.grad(o, ins, do)
+        ref_ins = [x.float().requires_grad_() for x in (q, k, v, w)]
+        o_ref = gca_naive(ref_ins[0], ref_ins[1], ref_ins[2], idx, ref_ins[3])
+        ref_grads = torch.autograd.grad(o_ref, ref_ins, do.float())
+        errs = {"o": rel(o, o_ref)}
+        errs.update({n: rel(g, r) for n, g, r in zip(("dq", "dk", "dv", "dw"), grads, ref_grads)})
+        bad = [n for n, e in errs.items() if not e < tol[dtype]]
+        ok &= not bad
+        print(f"check {str(dtype)[6:]:8s} " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items())
+              + ("  OK" if not bad else f"  FAIL ({', '.join(bad)} above {tol[dtype]:.0e})"))
+        del ins, grads, ref_ins, o_ref, ref_grads
+    return ok
+
+
+def sweep(gca_kernel, do_bench):
+    """Try launch parameters per kernel at the training shape; print the best."""
+    q, k, v, idx, w, do = make_inputs(SHAPES[0])
+    q1, k1, v1 = (x.clone().requires_grad_() for x in (q, k, v))
+    runs = {  # which kernel each needs_input_grad pattern exercises
+        "FWD_CONFIG": lambda: gca_kernel.flash_gca(q, k, v, idx, w),
+        "DQ_CONFIG": lambda: torch.autograd.grad(gca_kernel.flash_gca(q1, k, v, idx, w), q1, do),
+        "DKDV_CONFIG": lambda: torch.autograd.grad(gca_kernel.flash_gca(q, k1, v1, idx, w), (k1, v1), do),
+    }
+    for name, fn in runs.items():
+        config = getattr(gca_kernel, name)
+        default = dict(config)
+        results = []
+        for num_warps in (2, 4, 8):
+            for num_stages in (1, 2, 3, 4):
+                config.update(num_warps=num_warps, num_stages=num_stages)
+                try:
+                    results.append((do_bench(fn, warmup=25, rep=100, return_mode="median"), num_warps, num_stages))
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"  {name} warps={num_warps} stages={num_stages}: {type(e).__name__}")
+        config.clear()
+        config.update(default)  # the table runs with the defaults: edit them in gca_kernel.py
+        results.sort()
+        ms, num_warps, num_stages = results[0]
+        tried = ", ".join(f"{w}w{s}s {t:.3f}" for t, w, s in results[:4])
+        print(f"sweep {name:12s} best num_warps={num_warps} num_stages={num_stages} ({ms:.3f} ms; top: {tried})")
+
+
+def bench_kernel(args):
+    """The table; returns False if --check found an error above tolerance."""
+    import triton
+    from triton.testing import do_bench
+
+    import gca_kernel
+
+    print(f"triton {triton.__version__}")
+    ok = check(gca_kernel.flash_gca) if args.check else True
+    if args.sweep:
+        sweep(gca_kernel, do_bench)
+    print(f"launch: fwd {gca_kernel.FWD_CONFIG}, dq {gca_kernel.DQ_CONFIG}, dkdv {gca_kernel.DKDV_CONFIG}")
+    head = f"{'B':>2} {'C':>4} {'M':>4} {'S':>3} {'H':>3} {'D':>4} {'K':>3} {'dtype':>8} {'path':>6} |" \
+           f" {'fwd ms':>8} {'TFLOP/s':>7} {'MiB':>7} | {'f+b ms':>8} {'TFLOP/s':>7} {'MiB':>7} | note"
+    print(head + "\n" + "-" * len(head))
+    for shape in SHAPES:
+        B, C, M, S, H, D, K, dtype, note = shape
+        q, k, v, idx, w, do = make_inputs(shape)
+        ins = [x.requires_grad_() for x in (q, k, v, w)]
+        flops = 4 * B * C * K * H * S * S * D
+        flash = functools.partial(gca_kernel.flash_gca, check_idx=False)  # time the kernels, not the idx check's sync
+        for path, f in (("naive", gca_naive), ("flash", flash)):
+            fwd = lambda: f(ins[0], ins[1], ins[2], idx, ins[3])  # noqa: E731
+            fwd_bwd = lambda: torch.autograd.grad(fwd(), ins, do)  # noqa: E731
+            cols = []
+            for fn, fl in ((fwd, flops), (fwd_bwd, 3.5 * flops)):
+                try:
+                    ms = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
+                    cols.append(f"{ms:8.3f} {fl / ms * 1e-9:7.1f} {peak_extra_mib(fn):7.0f}")
+                except torch.cuda.OutOfMemoryError:
+                    cols.append(f"{'OOM':>8} {'':7} {'':7}")
+                    torch.cuda.empty_cache()
+            print(f"{B:2d} {C:4d} {M:4d} {S:3d} {H:3d} {D:4d} {K:3d} {str(dtype)[6:]:>8} {path:>6} | "
+                  + " | ".join(cols) + f" | {note}", flush=True)
+        del ins, q, k, v, do
+        torch.cuda.empty_cache()
+    return ok
+
+
+# -----------------------------------------------------------------------------
+# --train and --long
 
 
 def sync(dev):
@@ -31,13 +193,13 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def peak_gpu_gib(dev):
-    return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-
-
 def reset_peak(dev):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gpu(dev):
+    return peak_mem_gib(dev) if dev.type == "cuda" else float("nan")
 
 
 TRAIN_CASES = [  # (name, DRTConfig changes, GCA implementation, torch.compile)
@@ -50,7 +212,7 @@ TRAIN_CASES = [  # (name, DRTConfig changes, GCA implementation, torch.compile)
 
 
 def bench_train(args, dev):
-    peak = peak_flops(dev)  # train.py's table of dense bf16 peaks by GPU name
+    peak = peak_flops(dev)
     head = (f"{'model':10s} {'GCA':>6s} {'compile':>7s} {'params':>8s} {'B x T':>11s} | {'ms/step':>8s} {'tok/s':>9s} "
             f"{'MFU':>6s} {'peak mem':>9s}")
     print(head + "\n" + "-" * len(head))
@@ -94,7 +256,7 @@ def bench_train(args, dev):
         tok_s = args.batch_size * args.block_size / dt
         mfu = f"{100 * raw.flops_per_token() * tok_s / peak:5.1f}%" if peak else "  n/a"
         print(f"{label} {raw.num_params() / 1e6:7.1f}M {args.batch_size:>3d} x {args.block_size:<6d}"
-              f" | {1000 * dt:8.1f} {tok_s:9,.0f} {mfu:>6s} {peak_gpu_gib(dev):8.1f}G   (warm-up {warm:.0f}s)", flush=True)
+              f" | {1000 * dt:8.1f} {tok_s:9,.0f} {mfu:>6s} {peak_gpu(dev):8.1f}G   (warm-up {warm:.0f}s)", flush=True)
         del raw
     drt.GCA_IMPL = "auto"
 
@@ -122,28 +284,32 @@ def bench_long(args, dev):
         dt = time.time() - t0
         kv = state.memory.nbytes()
         del state  # before the next length allocates its own memory
-        print(f"{fmt_len(L):>7s} | {dt:8.1f} {L / dt:10,.0f} | {peak_gpu_gib(dev):8.2f}G "
-              f"{kv / 2**30:9.2f}G {kv / L:8.0f} {peak_host_gib():9.1f}G", flush=True)
+        print(f"{fmt_len(L):>7s} | {dt:8.1f} {L / dt:10,.0f} | {peak_gpu(dev):8.2f}G "
+              f"{kv / 2**30:9.2f}G {kv / L:8.0f} {peak_mem_gib():9.1f}G", flush=True)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="DRT model benchmarks (CUDA): pass --train, --long or both.",
+    p = argparse.ArgumentParser(description="DRT benchmarks (CUDA): pass --kernel, --train, --long, or several.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--kernel", action="store_true", help="FlashGCA vs the naive PyTorch GCA: time, TFLOP/s, memory")
     p.add_argument("--train", action="store_true", help="time training steps of the 146M models")
     p.add_argument("--long", action="store_true", help="stream long contexts: time and memory vs length")
+    p.add_argument("--check", action="store_true", help="--kernel: first compare with an fp32 reference")
+    p.add_argument("--sweep", action="store_true", help="--kernel: first tune num_warps/num_stages")
+    p.add_argument("--rep", type=int, default=100, help="--kernel: do_bench repetition time, ms")
     p.add_argument("--batch_size", type=int, default=1, help="--train: sequences per step")
     p.add_argument("--block_size", type=int, default=16380, help="--train: text tokens per sequence")
     p.add_argument("--steps", type=int, default=5, help="--train: timed steps per case")
+    p.add_argument("--model", default="{}", help="--train: DRTConfig overrides as a dict, e.g. \"{'n_embd': 64}\"")
     p.add_argument("--lengths", default="64K,256K,1M", help="--long: context lengths")
     p.add_argument("--n_embd", type=int, default=256, help="--long: model width (heads of 64)")
     p.add_argument("--segment", type=int, default=65536, help="--long: prefill segment in tokens")
     p.add_argument("--offload", action="store_true", help="--long: chunk keys/values in pinned host memory")
-    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run at toy sizes")
-    p.add_argument("--model", default="{}", help="--train: DRTConfig overrides as a dict, e.g. \"{'n_embd': 64}\"")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of --train/--long at toy sizes")
     args = p.parse_args(argv)
-    if not (args.train or args.long):
-        p.error("nothing to do: pass --train, --long or both")
-    for name in ("batch_size", "block_size", "steps", "segment"):
+    if not (args.kernel or args.train or args.long):
+        p.error("nothing to do: pass --kernel, --train, --long, or several")
+    for name in ("batch_size", "block_size", "steps", "segment", "rep"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)}: must be >= 1")
     if args.n_embd < 64 or args.n_embd % 64:
@@ -163,13 +329,22 @@ def main(argv=None):
         dev = torch.device(args.device)
     except RuntimeError:
         p.error(f"--device={args.device}: expected cuda, cuda:N or cpu")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.py: no CUDA GPU here (--device=cpu runs a smoke test)")
-    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    if (dev.type == "cuda" or args.kernel) and not torch.cuda.is_available():  # no benchmark ran: not a success
+        raise SystemExit("bench.py: error: no CUDA GPU here, so nothing was timed (--train and --long take "
+                         "--device=cpu for a smoke run); the kernels' CPU tests, under TRITON_INTERPRET=1: "
+                         "python -m pytest -q test_gca.py -k flash_gca")
+    if args.kernel and dev.type != "cuda":
+        p.error("--kernel times the Triton kernels on a GPU: drop --device=cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # "cuda" below (inputs, memory stats) is this GPU
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}", flush=True)
+    ok = bench_kernel(args) if args.kernel else True
     if args.train:
         bench_train(args, dev)
     if args.long:
         bench_long(args, dev)
+    if not ok:
+        raise SystemExit("bench.py: error: --check found kernel errors above tolerance (FAIL above)")
 
 
 if __name__ == "__main__":

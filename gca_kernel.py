@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch parameters per kernel (bench_gca.py --sweep tries others). None picks by
+# Launch parameters per kernel (bench.py --kernel --sweep tries others). None picks by
 # tile size: up to 8 KiB tiles (S = D = 64 in bf16) 4 warps and 4 stages (the
 # sweep's best for all three kernels on an H200), else 8 warps (at 4, larger
 # tiles spill registers on sm_90) and 2 stages (shared memory).

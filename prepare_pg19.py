@@ -40,6 +40,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
+from common import fmt_time
+
 EOT = 50256          # <|endoftext|>, appended after every book
 GPT2_VOCAB = 50257   # fits uint16, so a token costs 2 bytes on disk
 SPLITS = {"train": "train", "validation": "val", "test": "test"}  # PG19 folder -> output name
@@ -52,12 +54,6 @@ RANKS_HELP = (f"GPT-2's BPE ranks file is tiktoken's r50k_base.tiktoken ({RANKS_
 
 def _print(msg):
     print(msg, flush=True)  # flush: progress must show up in logs and under nohup/tee
-
-def fmt_time(s):
-    """Seconds as 1h05m or 4m07s, for ETAs."""
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
 
 # -----------------------------------------------------------------------------
 # tokenizer (train.py and sample.py import this, so importing this file stays cheap)

@@ -17,7 +17,6 @@ GPU. Every argument is checked before the checkpoint loads, so a typo costs no l
 import argparse
 import os
 import random
-import resource
 import sys
 import time
 from contextlib import nullcontext
@@ -25,6 +24,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig
 from prepare_pg19 import get_tokenizer
 from tasks import TASKS, Haystack, make_example, score
@@ -99,30 +99,6 @@ def greedy(model, logits, state, n):
         out.append(nxt.item())
         logits, _ = model(nxt, state=state)
     return out
-
-
-def parse_lengths(text):
-    """'4K,16K,1M' -> [4096, 16384, 1048576]; ValueError if it does not read as lengths."""
-    mult = {"K": 2**10, "M": 2**20, "G": 2**30}
-    try:
-        lengths = [int(float(t[:-1]) * mult[t[-1].upper()]) if t[-1].upper() in mult else int(t)
-                   for t in text.split(",") if t]
-    except (ValueError, KeyError):
-        lengths = []
-    if not lengths:
-        raise ValueError(f"--lengths={text!r}: expected a list like 4K,16K,1M or 4096,16384")
-    return lengths
-
-
-def fmt_len(n):
-    for unit, size in (("M", 2**20), ("K", 2**10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
-def peak_host_gib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
 def prompt_seed(seed, task, L, i):
@@ -216,9 +192,9 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
             kv = state.memory.nbytes()
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
-        gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        gpu = peak_mem_gib(device) if device.type == "cuda" else float("nan")
         hits = f"{found}/{eligible}" if eligible else "-"
-        row = (fmt_len(L), args.samples, correct / args.samples, hits, dt, gpu, peak_host_gib(), kv / 2**30)
+        row = (fmt_len(L), args.samples, correct / args.samples, hits, dt, gpu, peak_mem_gib(), kv / 2**30)
         rows.append(row)
         gpu_col = f"{gpu:>8.2f}G" if gpu == gpu else f"{'-':>9}"  # no GPU: nan
         print(f"{row[0]:>8} {row[1]:>7} {row[2]:>8.1%} {row[3]:>9} {row[4]:>9.2f} {gpu_col} {row[6]:>8.2f}G "

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton (gca_kernel)
 
+import common  # noqa: E402
 import gca_kernel  # noqa: E402
 import prepare_pg19  # noqa: E402
 import train  # noqa: E402
@@ -856,7 +857,7 @@ def test_tokenizer_offline_message(monkeypatch, capsys):
 
 
 def test_prepare_fmt_time():
-    got = [prepare_pg19.fmt_time(s) for s in (0, 59.9, 61, 3600, 3725)]
+    got = [common.fmt_time(s) for s in (0, 59.9, 61, 3600, 3725)]  # the ETAs of prepare_pg19.py and train.py
     assert got == ["0m00s", "0m59s", "1m01s", "1h00m", "1h02m"]
 
 
@@ -1190,15 +1191,23 @@ def load_ckpt(path):
 
 
 def test_config_block_and_help(capsys):
-    """Every key has a why-comment in the block; the model keys are DRTConfig's fields and their
-    defaults the paper's 146M model; --help lists every key; the shipped config files parse."""
+    """Every key has a why-comment in the block; the model keys are DRTConfig's fields, with their
+    defaults and comments read from model.py (their one home: train.py does not repeat them) and
+    the paper's 146M model; --help lists every key; the shipped config files parse."""
+    import inspect
     keys = [k for k, _ in train.BLOCK if k]
     assert len(keys) == len(set(keys)) and all(comment for _, comment in train.BLOCK)
     assert set(train.MODEL_KEYS) <= set(keys)
     assert DRTConfig(**{k: train.DEFAULTS[k] for k in train.MODEL_KEYS}) == DRTConfig()
+    source = inspect.getsource(DRTConfig)
+    for key, comment in train.BLOCK:
+        if key in train.MODEL_KEYS:
+            assert re.search(rf"^\s+{key}\s*:.*#\s*{re.escape(comment)}$", source, re.M), key
+            assert not re.search(rf"^{key} = ", Path(train.__file__).read_text(), re.M), key
     assert train.main(["--help"]) == []
     out = capsys.readouterr().out
     assert all(f"--{k}=" in out for k in keys)
+    assert all(f"  --{k}={train.DEFAULTS[k]!r}\n      {comment}\n" in out for k, comment in train.BLOCK if k)
     configs = sorted(glob.glob(os.path.join(HERE, "config", "*.py")))
     assert len(configs) >= 4
     for path in configs:
@@ -1455,7 +1464,7 @@ def test_cpu_warning_and_progress(tmp_path, monkeypatch, capsys):
     train.main([*args, "--overwrite=True"])
     out = capsys.readouterr().out
     flops = DRT(DRTConfig(**{k: train.parse_config(args)[0][k] for k in train.MODEL_KEYS})).flops_per_token()
-    step = prepare_pg19.fmt_time(flops * 140 / 1e3)
+    step = common.fmt_time(flops * 140 / 1e3)
     assert re.search(rf"^warning: 0.0\d+M parameters x 140 tokens per step on a CPU: one step takes ~{step}, one "
                      r"evaluation ~\w+ \(at 1e-06 GFLOP/s\); for a first run use config/quickstart.py$", out, re.M), out
     assert re.search(r"^step 1: micro-batch 1/2 done after 0m\d\ds$", out, re.M)
@@ -1870,12 +1879,13 @@ def test_sample_help(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "nothing to do: pass --train, --long or both"),
+    ([], "nothing to do: pass --kernel, --train, --long, or several"),
     (["--train", "--steps=0"], "--steps=0: must be >= 1"),
+    (["--kernel", "--rep=0"], "--rep=0: must be >= 1"),
     (["--long", "--lengths=4Q"], "--lengths='4Q': expected a list"),
     (["--long", "--n_embd=100"], "--n_embd=100: must be a multiple of 64"),
     (["--train", "--model=n_embd=64"], "--model='n_embd=64': expected a dict"),
-], ids=["nothing to do", "steps", "lengths", "n_embd", "model"])
+], ids=["nothing to do", "steps", "rep", "lengths", "n_embd", "model"])
 def test_bench_usage_errors(argv, message, capsys):
     import bench
     with pytest.raises(SystemExit) as e:
@@ -1884,14 +1894,31 @@ def test_bench_usage_errors(argv, message, capsys):
     assert e.value.code == 2 and err.startswith("usage:") and f"error: {message}" in err
 
 
-def test_bench_gca_without_gpu(monkeypatch):
-    """No GPU: bench_gca.py fails (nothing was timed) and names the CPU kernel tests, which exist."""
-    import bench_gca
+@pytest.mark.parametrize("mode", ["--kernel", "--train", "--long"])
+def test_bench_without_gpu(mode, monkeypatch):
+    """No GPU: each mode of bench.py fails in one line (nothing was timed) and names the CPU kernel
+    tests, which exist."""
+    import bench
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
-        bench_gca.main([])
+        bench.main([mode])
     msg = str(e.value.code)
-    assert msg.startswith("bench_gca.py: error: no CUDA GPU") and "test_gca.py" in msg
+    assert msg.startswith("bench.py: error: no CUDA GPU") and "\n" not in msg
     k = re.search(r"python -m pytest -q test_gca.py -k (\w+)$", msg).group(1)
     assert [n for n in globals() if n.startswith("test_flash_gca") and k in n]  # run on a CPU, not CUDA-only
+
+
+def test_bench_kernel_inputs():
+    """bench.py --kernel's shapes are in the kernel tests' order (B, C, M, S, H, D, K, dtype, note), the
+    first one DRT's training shape, and its naive path (what FlashGCA is timed against) is the reference GCA."""
+    import bench
+    cfg = DRTConfig()
+    B, C, M, S, H, D, K = bench.SHAPES[0][:7]
+    assert (C, M, S, H, D, K) == (16380 // (cfg.chunk_size - 1),) * 2 + (cfg.chunk_size, cfg.n_head,
+                                                                          cfg.n_embd // cfg.n_head, cfg.topk)
+    shape = (2, 5, 5, 8, 2, 16, 3, torch.float32, "hot")
+    q, k, v, idx, w, do = bench.make_inputs(shape, seed=int(torch.randint(1 << 30, ())), device="cpu")
+    assert q.shape == do.shape == (2, 5, 8, 2, 16) and k.shape == v.shape == (2, 5, 8, 2, 16) and idx.shape == (2, 5, 3)
+    assert (idx[:, 1:, 0] == 0).all() and (w[:, 0] == 0).all()  # hot: chunk 0 first; chunk 0 has nothing to pick
+    assert rel_err(bench.gca_naive(q, k, v, idx, w), gca_reference(q, k, v, idx, w)) < 1e-5
 

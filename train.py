@@ -12,7 +12,7 @@ Train DRT (or its sliding-window baseline) on PG19 or on a synthetic long-contex
 PG19 must be prepared first: python prepare_pg19.py --source /path/to/pg19 --out data/pg19.
 Config files (Python, executed in order), then --key=value overrides (Python literals; strings
 need no quotes; tuples as --groups=3,3 or --groups="()", shell-safe) change the hyperparameters
-below. Only existing keys, with the default's type.
+below and the model's (DRTConfig's fields, model.py). Only existing keys, with the default's type.
 
 Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues;
 a second Ctrl-C stops at once. A resumed run takes the checkpoint's config and applies only what
@@ -26,22 +26,23 @@ and accumulation steps.
 """
 
 import ast
+import dataclasses
 import difflib
+import inspect
 import json
 import math
 import os
 import pickle
 import random
 import re
-import resource
 import shlex
 import signal
 import sys
 import threading
 import time
 import types
+import typing
 from contextlib import nullcontext
-from dataclasses import asdict, fields
 from datetime import timedelta
 
 import numpy as np
@@ -50,8 +51,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tasks
+from common import fmt_time, peak_flops, peak_mem_gib
 from model import DRT, DRTConfig
-from prepare_pg19 import GPT2_VOCAB, fmt_time, get_tokenizer
+from prepare_pg19 import GPT2_VOCAB, get_tokenizer
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A), one home each -----
 # I/O
@@ -74,20 +76,7 @@ task_align = True  # synthetic tasks: cut prompts so the question's last token o
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
 block_size = 16380  # text tokens per sequence: 260 chunks of 63, the paper's 16K training length
 tokens_per_step = 524160  # per step, all GPUs (the paper's 8x4x16380): k * batch_size*block_size*GPUs, k = accumulation; 0: k=1
-# model: DRTConfig's fields (model.py says what each one is)
-n_embd = 768  # model width d: the paper's 146M model
-n_head = 12  # attention heads: head width 64, the width FlashGCA's tiles are built for
-n_lower = 6  # lower sliding-window layers; the baseline has n_lower=12 and no groups
-groups = (6,)  # upper layers per retrieval group: (6,) = DRT x1, (3, 3) = x2, () = sliding-window baseline
-n_enc = 2  # bidirectional chunk-encoder layers that turn a finished chunk into memory
-chunk_size = 64  # positions per chunk, 63 text tokens + 1 landmark: 64-wide tiles (the release's layout)
-window = 512  # self-attention window in positions (landmarks count), a multiple of chunk_size
-topk = 8  # chunks retrieved per chunk: attention field window + topk*chunk_size
-softmax_off_by_one = True  # Eq. 3's weights, so a group may ignore useless picks; False = the release's plain softmax
-gumbel = True  # top-k of Gumbel-noised scores in training, to explore (the paper: 14.36 ppl without vs 14.05)
-vocab_size = 50304  # GPT-2's 50257 ids + the landmark, padded to a multiple of 64
-landmark_id = 50257  # the first id after GPT-2's: never a data token
-mlp_hidden = 0  # SwiGLU hidden width; 0 = 8/3 * n_embd rounded up to a multiple of 64
+# model: DRTConfig's fields; model.py holds each default and its why (--help lists them)
 # optimizer: AdamW with warmup and cosine decay (the release's recipe)
 learning_rate = 2e-3  # peak learning rate, reached after warmup
 min_lr = 4e-4  # the cosine ends here, learning_rate / 5
@@ -104,10 +93,27 @@ seed = 1337  # the initial weights and every random draw of training derive from
 ddp_timeout = 300  # seconds a GPU waits in a collective before torchrun's job fails (torch's default: 10-30 min); above rank 0's evaluation + save, which the others wait for
 # ---- end of hyperparameters ----------------------------------------------------------------
 
+PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does, not what the run is: never restored on resume
+CPU_FLOPS = 1e11  # FLOP/s of fp32 training on a fast CPU, for the warning that a step will take minutes
+PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
 
-def _read_block():
-    """[(key, comment)] of the block above, headings as (None, heading), read from this file:
-    --help shows the comments, so each hyperparameter's why has one home."""
+
+def model_block():
+    """[(field, comment)] of DRTConfig, each comment the one after the field in model.py (or above it)."""
+    said, above = {}, []
+    for line in inspect.getsource(DRTConfig).split(":\n", 1)[1].splitlines():  # after "class DRTConfig:"
+        text = line.strip()
+        if text.startswith(("def ", "@")):  # the fields are over
+            break
+        if m := re.match(r"(\w+)\s*:[^#]*(?:#\s*(.*))?$", text):
+            said[m[1]] = m[2] or " ".join(above)
+        above = above + [text.lstrip("# ")] if text.startswith("#") else []
+    return [(f.name, said.get(f.name, "")) for f in dataclasses.fields(DRTConfig)]
+
+
+def read_block():
+    """[(key, comment)] of the block above, headings as (None, heading), read from this file
+    (DRTConfig's fields under the model heading): --help shows each key's why from its one home."""
     rows, inside = [], False
     with open(__file__, encoding="utf-8") as f:
         for line in f:
@@ -118,17 +124,16 @@ def _read_block():
             elif inside and (m := re.match(r"(\w+) = .+?  # (.+)$", line)):
                 rows.append((m[1], m[2]))
             elif inside and line.startswith("# "):
-                rows.append((None, line[2:].strip()))
+                rows += [(None, line[2:].strip())] + (model_block() if line.startswith("# model:") else [])
     return rows
 
 
-BLOCK = _read_block()
-DEFAULTS = {k: globals()[k] for k, _ in BLOCK if k}
-MODEL_KEYS = [f.name for f in fields(DRTConfig)]
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]  # dense, by device name
-PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does, not what the run is: never restored on resume
-CPU_FLOPS = 1e11  # FLOP/s of fp32 training on a fast CPU, for the warning that a step will take minutes
-PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
+MODEL_DEFAULTS = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                  for f in dataclasses.fields(DRTConfig)}
+MODEL_KEYS = list(MODEL_DEFAULTS)
+BLOCK = read_block()
+DEFAULTS = {k: MODEL_DEFAULTS[k] if k in MODEL_KEYS else globals()[k] for k, _ in BLOCK if k}
+HINTS = typing.get_type_hints(DRTConfig)
 
 
 class ConfigError(Exception):
@@ -143,26 +148,34 @@ class Stopped(Exception):
         self.signum = signum
 
 
+def log(msg):
+    """Print on rank 0 alone (torchrun sets RANK), flushed so logs under nohup or tee keep up."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(msg, flush=True)
+
+
 # -----------------------------------------------------------------------------
-# overrides: config files, then --key=value
+# the config: defaults, then config files and --key=value in order
 
 
-def _unknown(key, where):
-    close = difflib.get_close_matches(key, DEFAULTS, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return ConfigError(f"{where}: unknown key {key!r}{hint}; python train.py --help lists the keys")
+def key_type(key):
+    """The type key's values must have: its default's; a default None (model.py fills it in)
+    takes the field's annotation, Optional[int] -> int."""
+    if DEFAULTS[key] is not None:
+        return type(DEFAULTS[key])
+    return next((t for t in typing.get_args(HINTS[key]) if t is not type(None)), HINTS[key])
 
 
-def _typed(key, value, where):
-    """value with the type of key's default: ints pass for floats, lists for tuples, any text for strings."""
-    default = DEFAULTS[key]
-    if isinstance(default, float) and type(value) is int:
+def typed(key, value, where):
+    """value with key's type: ints pass for floats, lists for tuples, any text for strings."""
+    want = key_type(key)
+    if want is float and type(value) is int:
         value = float(value)
-    elif isinstance(default, tuple) and isinstance(value, list):
+    elif want is tuple and isinstance(value, list):
         value = tuple(value)
-    if type(value) is not type(default):
-        raise ConfigError(f"{where}: {key} must be of type {type(default).__name__} like its default "
-                          f"{default!r}, got {value!r} ({type(value).__name__})")
+    if type(value) is not want and not (value is None and DEFAULTS[key] is None):
+        raise ConfigError(f"{where}: {key} must be of type {want.__name__} like its default "
+                          f"{DEFAULTS[key]!r}, got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -174,13 +187,11 @@ def parse_config(argv):
             key, eq, text = arg[2:].partition("=")
             if not eq:
                 raise ConfigError(f"{arg}: write overrides as --key=value")
-            if key not in DEFAULTS:
-                raise _unknown(key, arg)
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # a bare word: a string
-            updates = {key: text if isinstance(DEFAULTS[key], str) and not isinstance(value, str) else value}
+            updates = {key: text if key in DEFAULTS and key_type(key) is str else value}
         else:
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file {arg} not found (overrides are written --key=value)")
@@ -188,11 +199,12 @@ def parse_config(argv):
             with open(arg, encoding="utf-8") as f:
                 exec(f.read(), scope)
             updates = {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
-            for k in updates:
-                if k not in DEFAULTS:
-                    raise _unknown(k, arg)
         for k, v in updates.items():
-            config[k] = _typed(k, v, arg)
+            if k not in DEFAULTS:
+                close = difflib.get_close_matches(k, DEFAULTS, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"{arg}: unknown key {k!r}{hint}; python train.py --help lists the keys")
+            config[k] = typed(k, v, arg)
             explicit.add(k)
     return config, explicit
 
@@ -203,80 +215,42 @@ def print_help():
         print(f"\n{comment}" if key is None else f"  --{key}={DEFAULTS[key]!r}\n      {comment}")
 
 
-def check_config(c):
-    bad = []
-    for k in ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout"):
-        if c[k] < 1:
-            bad.append(f"{k}={c[k]} must be a positive int")
-    if not c["init_from"]:  # a str already (parse_config checks types)
-        bad.append(f"init_from={c['init_from']!r} must be 'scratch', 'resume' or the path of a checkpoint")
-    if c["task_min_depth"] < 0:
-        bad.append(f"task_min_depth={c['task_min_depth']} must be >= 0")
-    if not 0 <= c["stop_iter"] <= c["max_iters"]:
-        bad.append(f"stop_iter={c['stop_iter']} must lie in [0, max_iters={c['max_iters']}]")
-    if not 0 <= c["warmup_frac"] < 1:
-        bad.append(f"warmup_frac={c['warmup_frac']} must lie in [0, 1)")
-    if not 0 <= c["min_lr"] <= c["learning_rate"]:
-        bad.append(f"min_lr={c['min_lr']} must lie in [0, learning_rate={c['learning_rate']}]")
-    if c["tokens_per_step"] < 0 or c["grad_clip"] < 0:
-        bad.append("tokens_per_step and grad_clip must be >= 0")
-    if not 0 <= c["task_haystack_frac"] <= 1:
-        bad.append(f"task_haystack_frac={c['task_haystack_frac']} must lie in [0, 1]")
-    if c["task_loss"] not in ("all", "answer"):
-        bad.append(f"task_loss={c['task_loss']!r} must be 'all' or 'answer'")
-    if c["dtype"] not in ("auto", "bfloat16", "float32"):
-        bad.append(f"dtype={c['dtype']!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)")
+def check_config(config):
+    """The values' ranges (parse_config checked their types): every problem in one line."""
+    c = types.SimpleNamespace(**config)
+    positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
+    bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
+    bad += [why for wrong, why in [
+        (not c.init_from, f"init_from={c.init_from!r} must be 'scratch', 'resume' or the path of a checkpoint"),
+        (c.task_min_depth < 0, f"task_min_depth={c.task_min_depth} must be >= 0"),
+        (not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
+        (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
+        (not 0 <= c.min_lr <= c.learning_rate, f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
+        (c.tokens_per_step < 0 or c.grad_clip < 0, "tokens_per_step and grad_clip must be >= 0"),
+        (not 0 <= c.task_haystack_frac <= 1, f"task_haystack_frac={c.task_haystack_frac} must lie in [0, 1]"),
+        (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
+        (c.dtype not in ("auto", "bfloat16", "float32"),
+         f"dtype={c.dtype!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)"),
+    ] if wrong]
     if bad:
         raise ConfigError("; ".join(bad))
 
 
-# -----------------------------------------------------------------------------
-# small helpers
-
-
-def step_rng(*parts):
-    """A random.Random that is a fixed function of parts, e.g. (seed, split, iteration, micro-batch):
-    str seeds go through SHA-512, so it is the same in every process and on every machine."""
-    return random.Random(":".join(map(str, parts)))
-
-
-def get_lr(it, c):
-    """Learning rate of step it (0-based): linear warmup, then cosine from learning_rate to min_lr."""
-    warmup = int(c["warmup_frac"] * c["max_iters"])
-    if it < warmup:
-        return c["learning_rate"] * (it + 1) / warmup
-    progress = (it - warmup) / max(1, c["max_iters"] - warmup)
-    return c["min_lr"] + 0.5 * (1 + math.cos(math.pi * progress)) * (c["learning_rate"] - c["min_lr"])
-
-
-def peak_flops(device):
-    """bf16 dense tensor-core peak of one GPU by name, or None (CPU, unknown GPU: 'mfu n/a')."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
-
-
-def peak_mem_gib(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # this process's max RSS: KiB on Linux, bytes on macOS
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def save_atomic(obj, path, write):
-    """Write to path.tmp, then rename: a file under the final name is always whole."""
-    write(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def write_json(obj, path):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+def resume_config(stored, now, explicit):
+    """The resumed run's config: the checkpoint's, with the keys given now (explicit) applied and
+    each change printed; PER_RUN keys are now's. Model keys given now are checked against the
+    checkpoint later (they cannot change)."""
+    c = {k: stored.get(k, now[k]) for k in DEFAULTS}  # a key newer than the checkpoint: its value now
+    for k in DEFAULTS:
+        if k in explicit and k not in PER_RUN and k not in MODEL_KEYS and c[k] != now[k]:
+            log(f"resume: {k} {c[k]!r} -> {now[k]!r} (given now)")
+        if k in explicit or k in PER_RUN:
+            c[k] = now[k]
+    return c
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: load, resume's config, what is on disk
+# checkpoints: each file is written whole (to .tmp, then renamed) and never replaced unasked
 
 
 def load_checkpoint(path, fix):
@@ -293,17 +267,17 @@ def load_checkpoint(path, fix):
     return ckpt
 
 
-def resume_config(stored, now, explicit, log):
-    """The resumed run's config: the checkpoint's, with the keys given now (explicit) applied and
-    each change printed; PER_RUN keys are now's. Model keys given now are checked against the
-    checkpoint later (they cannot change)."""
-    c = {k: stored.get(k, now[k]) for k in DEFAULTS}  # a key newer than the checkpoint: its value now
-    for k in DEFAULTS:
-        if k in explicit and k not in PER_RUN and k not in MODEL_KEYS and c[k] != now[k]:
-            log(f"resume: {k} {c[k]!r} -> {now[k]!r} (given now)")
-        if k in explicit or k in PER_RUN:
-            c[k] = now[k]
-    return c
+def save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, val_loss, tokens_per_step):
+    """ckpt.pt, and ckpt.json (the same without tensors) for people and tools without torch.
+    val_loss None: saved on a signal, between evaluations."""
+    state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
+    path = os.path.join(c.out_dir, "ckpt.pt")
+    torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    with open(path[:-3] + ".json.tmp", "w") as f:
+        json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
+    os.replace(path[:-3] + ".json.tmp", path[:-3] + ".json")
+    log(f"saved {path} at step {iter_num}")
 
 
 def saved_at(out_dir):
@@ -317,10 +291,27 @@ def saved_at(out_dir):
     return None if not os.path.isfile(path) else path if step is None else f"{path} at step {step}"
 
 
+def check_out_dir(out_dir):
+    """out_dir is, or can become, a writable folder: checked last, so a run that cannot start leaves none behind."""
+    parent = out_dir
+    while parent and not os.path.exists(parent):  # the nearest part of the path that exists
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        where = "" if parent == out_dir else f": {parent}"
+        raise ConfigError(f"out_dir {out_dir}{where} is a file, not a folder: pass --out_dir=<folder>")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
+        open(probe, "wb").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"out_dir {out_dir} is not writable ({e}): pass --out_dir=<writable folder>") from None
+
+
 # -----------------------------------------------------------------------------
 # Ctrl-C and SIGTERM: the handler only takes note, and the loop stops at the next step boundary,
 # where the model is whole. Under torchrun the agent forwards a Ctrl-C to the workers, sends SIGTERM
-# to all when one worker dies, and kills them 30 s later.
+# to all when one worker dies, and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s later.
 
 STOP = {"signum": 0, "at": 0.0}  # the signal that asked to stop, and when
 
@@ -333,15 +324,33 @@ def on_signal(signum, frame):
         STOP.update(signum=signum, at=time.time())
 
 
-def catch_signals(watchdog=None):
-    """Install on_signal; returns what release_signals restores. watchdog(signum), for DDP, runs in a
-    thread that the signal wakes at once: a rank stuck in a collective whose peer died never gets
-    back to Python, so on_signal would not run there."""
+def rank_stopped(rank, out_dir, signum):
+    """The one line of a rank that cannot reach a step boundary with the others."""
+    why = " (another rank failed?)" if signum == signal.SIGTERM else ""
+    last = saved_at(out_dir)
+    return (f"rank {rank}: stopped by {signal.Signals(signum).name}{why}; "
+            + (f"the last checkpoint is {last}: resume with --init_from=resume" if last else "no checkpoint saved"))
+
+
+def watchdog(fd, rank, out_dir):
+    """DDP: a rank stuck in a collective whose peer died never gets back to Python, where on_signal
+    runs. This thread wakes on the signal's byte at fd, gives the main thread 2/3 of torchrun's
+    grace to stop at a step boundary, then says in one line what to do and exits."""
+    for b in iter(lambda: os.read(fd, 1), b""):  # until release_signals closes the write end
+        if b[0] in (signal.SIGINT, signal.SIGTERM):
+            time.sleep(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) * 2 / 3)
+            print(f"train.py: {rank_stopped(rank, out_dir, b[0])}", file=sys.stderr, flush=True)
+            os._exit(128 + b[0])
+    os.close(fd)
+
+
+def catch_signals(watch=None):
+    """Install on_signal, and with watch=(rank, out_dir) the watchdog; returns what release_signals restores."""
     STOP.update(signum=0, at=0.0)
     if threading.current_thread() is not threading.main_thread():
         return {}
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    if watchdog:
+    if watch:
         r, w = os.pipe()
         try:
             os.set_blocking(w, False)
@@ -350,14 +359,7 @@ def catch_signals(watchdog=None):
             os.close(r)
             os.close(w)
             return old
-
-        def watch():
-            for b in iter(lambda: os.read(r, 1), b""):  # until release_signals closes w
-                if b[0] in (signal.SIGINT, signal.SIGTERM):
-                    watchdog(b[0])
-            os.close(r)
-
-        threading.Thread(target=watch, daemon=True).start()
+        threading.Thread(target=watchdog, args=(r, *watch), daemon=True).start()
     return old
 
 
@@ -371,223 +373,54 @@ def release_signals(old):
 
 
 # -----------------------------------------------------------------------------
+# the run's parts: model, data, loop
 
 
-def main(argv=None):
-    """Train with the hyperparameters above as changed by argv (default sys.argv[1:]).
-    Returns the logged [(iteration, mean train loss since the previous line)]."""
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print_help()
-        return []
-    c, explicit = parse_config(argv)
-
-    # -- DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; plain python runs one process
-    ddp = "RANK" in os.environ
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    master = rank == 0  # alone prints, evaluates and saves
-    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
-
-    # -- resume: the checkpoint's config, and on top of it only what is given now
-    ckpt = None
-    if c["init_from"] == "resume":
-        path = os.path.join(c["out_dir"], "ckpt.pt")
-        if not os.path.isfile(path):
-            raise ConfigError(f"no checkpoint at {path}: use --init_from=scratch (or point --out_dir at the run)")
-        ckpt = load_checkpoint(path, "start over with --init_from=scratch --overwrite=True, or use another --out_dir")
-        if missing := {"config", "optimizer", "iter_num", "best_val_loss"} - ckpt.keys():
-            raise ConfigError(f"{path} has no {', '.join(sorted(missing))}: train.py cannot resume it; fine-tune "
-                              f"from it with --init_from={path} and another --out_dir")
-        c = resume_config(ckpt["config"], c, explicit, log)
-    check_config(c)
-    again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
-    again = ("torchrun <as before> " if ddp else "python ") + shlex.join(["train.py", *again])  # what continues
-
-    dev = c["device"] if c["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={dev!r} but CUDA is not available: use --device=cpu (or auto)")
-    if ddp and dev.startswith("cuda"):
-        dev = f"cuda:{local_rank}"
-        torch.cuda.set_device(dev)
-    device = torch.device(dev)
-    if ddp:  # a timeout, so that a rank waiting for a dead or hung one fails in minutes, not in half an hour
-        cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
-                                timeout=timedelta(seconds=c["ddp_timeout"]))
-
-    def rank_stopped(signum):  # a rank that cannot reach a step boundary with the others
-        why = " (another rank failed?)" if signum == signal.SIGTERM else ""
-        last = saved_at(c["out_dir"])
-        return (f"rank {rank}: stopped by {signal.Signals(signum).name}{why}; "
-                + (f"the last checkpoint is {last}: resume with --init_from=resume" if last else "no checkpoint saved"))
-
-    def watchdog(signum):  # torchrun kills the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s after its signal
-        time.sleep(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) * 2 / 3)  # the main thread's time to stop
-        print(f"train.py: {rank_stopped(signum)}", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-
-    old = catch_signals(watchdog if ddp else None)
-    try:
-        history = train(c, explicit, ckpt, device, ddp, rank, world_size, master, again)
-        if ddp:
-            dist.barrier()  # rank 0 may still be evaluating and saving: leave together
-        return history
-    except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one
-        last = saved_at(c["out_dir"])
-        raise Stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
-                                                         if last else "no checkpoint saved"), signal.SIGINT) from None
-    except (ConfigError, Stopped):
-        raise
-    except Exception:
-        if ddp:  # a collective failed: if another rank died, torchrun sends SIGTERM, maybe a moment after
-            for _ in range(30):  # it comes within torchrun's monitor interval (0.1 s) of the death
-                if STOP["signum"]:
-                    raise Stopped(rank_stopped(STOP["signum"]), STOP["signum"]) from None
-                time.sleep(0.1)
-        raise
-    finally:
-        release_signals(old)
-        if ddp:
-            dist.destroy_process_group()
-
-
-def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
-    """The run main set up: ckpt is the checkpoint to resume (or None), again the command that continues."""
-    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
-    cuda = device.type == "cuda"
-    dtype = c["dtype"] if c["dtype"] != "auto" else "bfloat16" if cuda else "float32"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    if cuda:
-        torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
-
-    # -- tokens per step = batch_size x block_size x GPUs x accumulation (the rule: it must divide)
-    per_micro = c["batch_size"] * c["block_size"] * world_size
-    tokens_per_step = c["tokens_per_step"] or per_micro
-    grad_accum = tokens_per_step // per_micro
-    if grad_accum < 1 or tokens_per_step % per_micro:
-        options = ", ".join(f"{per_micro * m:,}" for m in range(max(1, grad_accum), max(1, grad_accum) + 3))
-        raise ConfigError(f"tokens_per_step={tokens_per_step:,} is not a multiple of batch_size*block_size*GPUs = "
-                          f"{c['batch_size']}*{c['block_size']}*{world_size} = {per_micro:,}: use e.g. {options} "
-                          f"(or 0 for no accumulation), or change batch_size")
-
-    # -- the checkpoint: resumed (main loaded it), or another run's to fine-tune from; never one replaced unasked
-    ckpt_path = src = os.path.join(c["out_dir"], "ckpt.pt")
-    finetune = c["init_from"] not in ("scratch", "resume")
+def model_config(c, explicit, ckpt):
+    """The architecture -> (model_args, ckpt to load or None, finetune). Resuming or fine-tuning, it is
+    the checkpoint's (model keys given now must agree), else the config's; c's model keys are set to it."""
+    ckpt_path = src = os.path.join(c.out_dir, "ckpt.pt")
+    finetune = c.init_from not in ("scratch", "resume")
     if finetune:  # another run's weights: a path to its ckpt.pt or to its out_dir
-        src = c["init_from"]
-        src = os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src
+        src = os.path.join(c.init_from, "ckpt.pt") if os.path.isdir(c.init_from) else c.init_from
         if not os.path.isfile(src):
-            raise ConfigError(f"init_from={c['init_from']!r}: no checkpoint there (want 'scratch', 'resume', or the "
+            raise ConfigError(f"init_from={c.init_from!r}: no checkpoint there (want 'scratch', 'resume', or the "
                               f"path of a train.py ckpt.pt or its out_dir)")
         if os.path.abspath(src) == os.path.abspath(ckpt_path):
             raise ConfigError(f"init_from={src} would be overwritten by this run's own checkpoint: use "
                               f"--init_from=resume, or another --out_dir")
-    if c["init_from"] != "resume" and os.path.exists(ckpt_path) and not c["overwrite"]:
-        raise ConfigError(f"{saved_at(c['out_dir']) or ckpt_path} exists: continue that run with --init_from=resume, "
+    if c.init_from != "resume" and os.path.exists(ckpt_path) and not c.overwrite:
+        raise ConfigError(f"{saved_at(c.out_dir) or ckpt_path} exists: continue that run with --init_from=resume, "
                           f"replace it with --overwrite=True, or use another --out_dir")
     if finetune:
         ckpt = load_checkpoint(src, "point --init_from at a train.py ckpt.pt or its out_dir")
+    as_tuple = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731 (JSON gives groups as a list)
     if ckpt is not None:
-        as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v  # JSON gives groups as a list
-        clash = [k for k in MODEL_KEYS if k in explicit and as_tuple(c[k]) != as_tuple(ckpt["model_args"][k])]
+        clash = [k for k in MODEL_KEYS if k in explicit and as_tuple(getattr(c, k)) != as_tuple(ckpt["model_args"][k])]
         if clash:
-            said = ", ".join(f"{k}={ckpt['model_args'][k]!r}, the config asks {c[k]!r}" for k in clash)
-            drop = " ".join(f"--{k}" for k in clash)
-            raise ConfigError(f"checkpoint {src} has {said}: drop {drop} (from the command line or config "
-                              f"file) or start a new out_dir")
-        c.update({k: as_tuple(ckpt["model_args"][k]) for k in MODEL_KEYS})  # the checkpoint's architecture
+            said = ", ".join(f"{k}={ckpt['model_args'][k]!r}, the config asks {getattr(c, k)!r}" for k in clash)
+            raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the "
+                              f"command line or config file) or start a new out_dir")
+        vars(c).update({k: ckpt["model_args"][k] for k in MODEL_KEYS})
     try:
-        model_args = asdict(DRTConfig(**{k: c[k] for k in MODEL_KEYS}))
+        model_args = dataclasses.asdict(DRTConfig(**{k: as_tuple(getattr(c, k)) for k in MODEL_KEYS}))
     except ValueError as e:  # DRTConfig says what is wrong
         raise ConfigError(e) from None
+    vars(c).update(model_args)  # what was built (e.g. landmark_id filled in): the checkpoint's config says so
     model_args["groups"] = list(model_args["groups"])  # JSON-able
-    min_len = 2 * (c["chunk_size"] - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
-    if c["groups"] and c["block_size"] < min_len:
-        raise ConfigError(f"block_size={c['block_size']} gives fewer than 3 chunks, so GCA would never run: use "
-                          f"block_size >= {min_len} (best a multiple of chunk_size-1={c['chunk_size'] - 1})")
+    min_len = 2 * (c.chunk_size - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
+    if c.groups and c.block_size < min_len:
+        raise ConfigError(f"block_size={c.block_size} gives fewer than 3 chunks, so GCA would never run: use "
+                          f"block_size >= {min_len} (best a multiple of chunk_size-1={c.chunk_size - 1})")
+    return model_args, ckpt, finetune
 
-    # -- data: every batch is a function of (split, rng) and the rng a function of (seed, step, micro-batch)
-    task_names = c["dataset"].split(",")
-    if all(t in tasks.TASKS for t in task_names):
-        enc = get_tokenizer()
-        data_vocab = GPT2_VOCAB  # the tasks' text is GPT-2 tokens
-        align = c["chunk_size"] - 1 if c["task_align"] else None
-        haystack = None
-        if c["task_haystack"]:
-            try:
-                haystack = tasks.Haystack(c["task_haystack"], enc)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"task_haystack: {e}") from None
-        try:  # the longest needles and question must fit after task_min_depth
-            for task in task_names:
-                for i in range(8):
-                    tasks.make_example(task, c["block_size"] + 1 - tasks.MAX_ANSWER, random.Random(i), enc,
-                                       min_depth=c["task_min_depth"], align=align)
-        except ValueError as e:
-            raise ConfigError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
-        def get_batch(split, rng, training):  # evaluation scores the answer alone: that is the task
-            answer_only = not training or c["task_loss"] == "answer"
-            return tasks.get_batch(task_names, c["batch_size"], c["block_size"], rng, enc, haystack,
-                                   c["task_haystack_frac"], answer_only, c["task_min_depth"], align)
-    else:
-        data_dir = c["data_dir"] or os.path.join("data", c["dataset"])
-        meta_path = os.path.join(data_dir, "meta.json")
-        if not os.path.isfile(meta_path):
-            raise ConfigError(f"{meta_path} not found: prepare the data first, e.g. python prepare_pg19.py "
-                              f"--source /path/to/pg19 --out {data_dir} (or --dataset={'|'.join(tasks.TASKS)})")
-        with open(meta_path) as f:
-            meta = json.load(f)
-        data_vocab, splits = meta["vocab_size"], {}
-        for split in ("train", "val"):
-            path = os.path.join(data_dir, f"{split}.bin")
-            if not os.path.isfile(path):
-                raise ConfigError(f"{path} not found, but {meta_path} is: the preparation did not finish; run it "
-                                  f"again, e.g. python prepare_pg19.py --source /path/to/pg19 --out {data_dir}")
-            n = os.path.getsize(path) // 2
-            if n < c["block_size"] + 1:
-                raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={c['block_size'] + 1:,}; "
-                                  f"lower --block_size")
-            splits[split] = (path, n)
-
-        def get_batch(split, rng, training):
-            path, n = splits[split]
-            data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
-            starts = [rng.randrange(n - c["block_size"]) for _ in range(c["batch_size"])]
-            x = torch.from_numpy(np.stack([data[s : s + c["block_size"]] for s in starts]).astype(np.int64))
-            y = torch.from_numpy(np.stack([data[s + 1 : s + 1 + c["block_size"]] for s in starts]).astype(np.int64))
-            return x, y  # (B, T) each
-
-    if not data_vocab <= model_args["landmark_id"]:
-        raise ConfigError(f"the data's token ids reach {data_vocab - 1}, but landmark_id={model_args['landmark_id']} "
-                          f"must lie above them: set --landmark_id={data_vocab} (and vocab_size above it)")
-
-    def batch(split, rng, training=False):
-        x, y = get_batch(split, rng, training)
-        if cuda:
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x.to(device), y.to(device)
-
-    if master:  # last of the checks, so a run that cannot start leaves no empty out_dir behind
-        parent = c["out_dir"]
-        while parent and not os.path.exists(parent):  # the nearest part of the path that exists
-            parent = os.path.dirname(parent)
-        if parent and not os.path.isdir(parent):
-            where = "" if parent == c["out_dir"] else f": {parent}"
-            raise ConfigError(f"out_dir {c['out_dir']}{where} is a file, not a folder: pass --out_dir=<folder>")
-        try:
-            os.makedirs(c["out_dir"], exist_ok=True)
-            probe = os.path.join(c["out_dir"], f".write_test_{os.getpid()}")
-            open(probe, "wb").close()
-            os.remove(probe)
-        except OSError as e:
-            raise ConfigError(f"out_dir {c['out_dir']} is not writable ({e}): pass --out_dir=<writable folder>") from None
-
-    # -- model and optimizer
-    torch.manual_seed(c["seed"])  # the same initial weights on every rank
-    raw_model = DRT(DRTConfig(**model_args)).to(device)  # what the checkpoint holds: never compiled, never wrapped
-    optimizer = raw_model.configure_optimizers(c["weight_decay"], c["learning_rate"], c["betas"], device.type)
+def build_model(c, model_args, ckpt, finetune, device):
+    """-> (raw_model, model, optimizer, iter_num, best_val_loss); raw_model is what the checkpoint
+    holds (never compiled, never wrapped), model the compiled one on CUDA."""
+    torch.manual_seed(c.seed)  # the same initial weights on every rank
+    raw_model = DRT(DRTConfig(**model_args)).to(device)
+    optimizer = raw_model.configure_optimizers(c.weight_decay, c.learning_rate, c.betas, device.type)
     iter_num, best_val_loss = 0, float("inf")
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
@@ -595,89 +428,180 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
             optimizer.load_state_dict(ckpt["optimizer"])
             iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         ckpt.clear()  # free it (main holds it too)
-    model = torch.compile(raw_model) if c["compile"] and cuda else raw_model
-    eval_model = model  # evaluation runs on rank 0 alone, so never through DDP
-    if ddp:
-        model = DDP(model, device_ids=[device.index] if cuda else None)
+    model = torch.compile(raw_model) if c.compile and device.type == "cuda" else raw_model
+    return raw_model, model, optimizer, iter_num, best_val_loss
+
+
+class Data:
+    """The run's batches, of a prepared dataset (data_dir/train.bin, val.bin) or of synthetic tasks
+    (a comma list: one drawn per prompt). A batch is a function of (split, rng) alone."""
+
+    def __init__(self, c, device):
+        self.c, self.device, self.tasks = c, device, c.dataset.split(",")
+        if all(t in tasks.TASKS for t in self.tasks):
+            self.enc, self.vocab = get_tokenizer(), GPT2_VOCAB  # the tasks' text is GPT-2 tokens
+            self.align = c.chunk_size - 1 if c.task_align else None
+            try:
+                self.haystack = tasks.Haystack(c.task_haystack, self.enc) if c.task_haystack else None
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"task_haystack: {e}") from None
+            try:  # the longest needles and question must fit after task_min_depth
+                for task in self.tasks:
+                    for i in range(8):
+                        tasks.make_example(task, c.block_size + 1 - tasks.MAX_ANSWER, random.Random(i), self.enc,
+                                           min_depth=c.task_min_depth, align=self.align)
+            except ValueError as e:
+                raise ConfigError(f"{e}: raise --block_size or lower --task_min_depth") from None
+            return
+        self.tasks, data_dir = None, c.data_dir or os.path.join("data", c.dataset)
+        meta_path = os.path.join(data_dir, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise ConfigError(f"{meta_path} not found: prepare the data first, e.g. python prepare_pg19.py "
+                              f"--source /path/to/pg19 --out {data_dir} (or --dataset={'|'.join(tasks.TASKS)})")
+        with open(meta_path) as f:
+            self.vocab, self.splits = json.load(f)["vocab_size"], {}
+        for split in ("train", "val"):
+            path = os.path.join(data_dir, f"{split}.bin")
+            if not os.path.isfile(path):
+                raise ConfigError(f"{path} not found, but {meta_path} is: the preparation did not finish; run it "
+                                  f"again, e.g. python prepare_pg19.py --source /path/to/pg19 --out {data_dir}")
+            n = os.path.getsize(path) // 2
+            if n < c.block_size + 1:
+                raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={c.block_size + 1:,}; "
+                                  f"lower --block_size")
+            self.splits[split] = (path, n)
+
+    def batch(self, split, rng, training=False):
+        """(x, y), (B, T) each, on the device; evaluation scores a task's answer alone: that is the task."""
+        c = self.c
+        if self.tasks:
+            x, y = tasks.get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack,
+                                   c.task_haystack_frac, not training or c.task_loss == "answer",
+                                   c.task_min_depth, self.align)
+        else:
+            path, n = self.splits[split]
+            data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
+            starts = [rng.randrange(n - c.block_size) for _ in range(c.batch_size)]
+            x = torch.from_numpy(np.stack([data[s : s + c.block_size] for s in starts]).astype(np.int64))
+            y = torch.from_numpy(np.stack([data[s + 1 : s + 1 + c.block_size] for s in starts]).astype(np.int64))
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+
+def step_rng(*parts):
+    """A random.Random that is a fixed function of parts, e.g. (seed, split, iteration, micro-batch):
+    str seeds go through SHA-512, so it is the same in every process and on every machine."""
+    return random.Random(":".join(map(str, parts)))
+
+
+def get_lr(it, c):
+    """Learning rate of step it (0-based): linear warmup, then cosine from learning_rate to min_lr."""
+    warmup = int(c.warmup_frac * c.max_iters)
+    if it < warmup:
+        return c.learning_rate * (it + 1) / warmup
+    progress = (it - warmup) / max(1, c.max_iters - warmup)
+    return c.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (c.learning_rate - c.min_lr)
+
+
+SAID = {"at": 0.0}  # when progress last printed
+
+
+def progress(t0, text):
+    """Print text when the work begun at t0 (a step, an evaluation) has run PROGRESS_AFTER seconds
+    since it began or last said so: a long first step shows it is alive. Host clock: no GPU sync."""
+    now = time.time()
+    if now - max(t0, SAID["at"]) > PROGRESS_AFTER:
+        log(f"{text} after {fmt_time(now - t0)}")
+        SAID["at"] = now
+
+
+@torch.no_grad()
+def estimate_loss(model, data, c, autocast):
+    """Mean loss over eval_iters micro-batches per split; the same batches at every evaluation."""
+    out, t0 = {}, time.time()
+    model.eval()  # plain top-k: no Gumbel noise
+    for split in ("train", "val"):
+        total = torch.zeros((), device=data.device)
+        for k in range(c.eval_iters):
+            x, y = data.batch(split, step_rng(c.seed, split, "eval", k))
+            with autocast:
+                _, loss = model(x, y, return_logits=False)
+            total += loss.float()
+            progress(t0, f"eval {split}: micro-batch {k + 1}/{c.eval_iters} done")
+        out[split] = total.item() / c.eval_iters
+    model.train()
+    return out
+
+
+def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
+    """The run main set up: ckpt is the checkpoint to resume (or None), again the command that continues.
+    Returns the logged [(iteration, mean train loss since the previous line)]."""
+    master, cuda = rank == 0, device.type == "cuda"
+    dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    if cuda:
+        torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
+    per_micro = c.batch_size * c.block_size * world_size  # tokens per step = that x accumulation: it must divide
+    tokens_per_step = c.tokens_per_step or per_micro
+    grad_accum = tokens_per_step // per_micro
+    if grad_accum < 1 or tokens_per_step % per_micro:
+        options = ", ".join(f"{per_micro * m:,}" for m in range(max(1, grad_accum), max(1, grad_accum) + 3))
+        raise ConfigError(f"tokens_per_step={tokens_per_step:,} is not a multiple of batch_size*block_size*GPUs = "
+                          f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use e.g. {options} "
+                          f"(or 0 for no accumulation), or change batch_size")
+    model_args, ckpt, finetune = model_config(c, explicit, ckpt)
+    data = Data(c, device)
+    if not data.vocab <= c.landmark_id:
+        raise ConfigError(f"the data's token ids reach {data.vocab - 1}, but landmark_id={c.landmark_id} "
+                          f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
+    if master:
+        check_out_dir(c.out_dir)
+    raw_model, eval_model, optimizer, iter_num, best_val_loss = build_model(c, model_args, ckpt, finetune, device)
+    # evaluation runs on rank 0 alone, so never through DDP
+    model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
 
     flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)
-    arch = f"DRT groups={model_args['groups']}" if model_args["groups"] else "sliding-window baseline"
+    arch = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     log(f"{arch}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
-        f"{c['batch_size']} seq x {c['block_size']:,} tok x {world_size} rank(s) x {grad_accum} accum = "
-        f"{tokens_per_step:,} tok/step | {device} {dtype} | {c['dataset']} | "
-        + (f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c['init_from']}" if finetune else "from scratch"))
+        f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
+        f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | "
+        + (f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"))
     step_s = flops_per_token * tokens_per_step / CPU_FLOPS
-    eval_s = flops_per_token / 3 * 2 * c["eval_iters"] * c["batch_size"] * c["block_size"] / CPU_FLOPS  # forward only
+    eval_s = flops_per_token / 3 * 2 * c.eval_iters * c.batch_size * c.block_size / CPU_FLOPS  # forward only
     if device.type == "cpu" and max(step_s, eval_s) > 60:
         log(f"warning: {raw_model.num_params() / 1e6:.3g}M parameters x {tokens_per_step:,} tokens per step on a CPU: "
             f"one step takes ~{fmt_time(step_s)}, one evaluation ~{fmt_time(eval_s)} (at {CPU_FLOPS / 1e9:.3g} "
             f"GFLOP/s); for a first run use config/quickstart.py")
 
-    said = [0.0]  # when progress last printed
-
-    def progress(t0, text):
-        """Print text when the work begun at t0 (a step, an evaluation) has run PROGRESS_AFTER seconds
-        since it began or last said so: a long first step shows it is alive. Host clock: no GPU sync."""
-        now = time.time()
-        if now - max(t0, said[0]) > PROGRESS_AFTER:
-            log(f"{text} after {fmt_time(now - t0)}")
-            said[0] = now
-
-    @torch.no_grad()
-    def estimate_loss():
-        """Mean loss over eval_iters micro-batches per split; the same batches at every evaluation."""
-        out = {}
-        eval_model.eval()  # plain top-k: no Gumbel noise
-        t0 = time.time()
-        for split in ("train", "val"):
-            total = torch.zeros((), device=device)
-            for k in range(c["eval_iters"]):
-                x, y = batch(split, step_rng(c["seed"], split, "eval", k))
-                with autocast:
-                    _, loss = eval_model(x, y, return_logits=False)
-                total += loss.float()
-                progress(t0, f"eval {split}: micro-batch {k + 1}/{c['eval_iters']} done")
-            out[split] = total.item() / c["eval_iters"]
-        eval_model.train()
-        return out
-
-    def save(val_loss):  # val_loss None: saved on a signal, between evaluations
-        nonlocal saved
-        state = {"model_args": model_args, "config": c, "iter_num": iter_num, "best_val_loss": best_val_loss}
-        tensors = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
-        save_atomic({**tensors, **state}, ckpt_path, torch.save)
-        save_atomic({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step},
-                    os.path.join(c["out_dir"], "ckpt.json"), write_json)  # for people and tools without torch
-        log(f"saved {ckpt_path} at step {iter_num}")
-        saved = iter_num
-
-    # -- the loop. iter_num counts the optimizer steps done; everything about step iter_num+1
-    #    (lr, batches, Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
-    last = c["stop_iter"] or c["max_iters"]
+    # the loop. iter_num counts the optimizer steps done; everything about step iter_num+1
+    # (lr, batches, Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
+    ckpt_path, last = os.path.join(c.out_dir, "ckpt.pt"), c.stop_iter or c.max_iters
     start, history = iter_num, []
-    resumed = c["init_from"] == "resume"  # then step `start` was evaluated just before the save
+    resumed = c.init_from == "resume"  # then step `start` was evaluated just before the save
     saved = start if resumed else -1  # the step of the checkpoint this run last wrote (or resumed)
     stop = 0  # the signal that stops every rank at the next step boundary (STOP: what this rank was sent)
     loss_sum = torch.zeros((), device=device)
     model.train()
     t_last, it_last = time.time(), iter_num
     while True:
-        if master and (iter_num % c["eval_interval"] == 0 or iter_num == last) and not (resumed and iter_num == start):
+        if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
             t_eval = time.time()
-            losses = estimate_loss()
+            losses = estimate_loss(eval_model, data, c, autocast)
             log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {math.exp(losses['train']):.2f}), "
                 f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})")
-            improved = losses["val"] < best_val_loss
-            best_val_loss = min(best_val_loss, losses["val"])
-            if iter_num > start and (improved or c["always_save_checkpoint"] or iter_num == last):
-                save(losses["val"])  # the last step too: out_dir must end up holding this run, not an older one
+            improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
+            if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
+                # the last step too: out_dir must end up holding this run, not an older one
+                save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, losses["val"], tokens_per_step)
+                saved = iter_num
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
             break
         stop = stop if ddp else STOP["signum"]  # one process: at every step; DDP: agreed at the log line below
         if stop:  # a step boundary: the model is whole
             if master and iter_num > saved:
-                save(None)
+                save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, None, tokens_per_step)
             if ddp:
                 dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
             msg = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
@@ -697,21 +621,20 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
             if micro:
                 progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
             g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-            x, y = batch("train", step_rng(c["seed"], "train", iter_num, g), training=True)
-            torch.manual_seed(step_rng(c["seed"], "gumbel", iter_num, g).getrandbits(63))  # the model's noise
-            sync = model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext()  # all-reduce once per step
-            with sync:
+            x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
+            torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
+            with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
                 with autocast:
                     _, loss = model(x, y, return_logits=False)
                 (loss / grad_accum).backward()
             loss_sum += loss.detach().float() / grad_accum
-        if c["grad_clip"]:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"])
+        if c.grad_clip:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
 
-        if iter_num % c["log_interval"] == 0 or iter_num == last:
+        if iter_num % c.log_interval == 0 or iter_num == last:
             if ddp:  # the loss of the global batch, and whether any rank was sent Ctrl-C/SIGTERM: all stop at this
                 # step. On this all-reduce, which the log line needs anyway: a flag of its own would sync every step
                 sent = [float(STOP["signum"] == s) for s in (signal.SIGINT, signal.SIGTERM)]
@@ -725,15 +648,81 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, master, again):
             dt = (time.time() - t_last) / (iter_num - it_last)
             tok_s = tokens_per_step / dt
             mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
-            log(f"iter {iter_num}/{c['max_iters']} | loss {mean_loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
+            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
                 f"{tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
                 f"eta {fmt_time(dt * (last - iter_num))}")
             history.append((iter_num, mean_loss))
             loss_sum.zero_()
             t_last, it_last = time.time(), iter_num
 
-    log(f"done: step {iter_num}/{c['max_iters']}, best val loss {best_val_loss:.4f}")
+    log(f"done: step {iter_num}/{c.max_iters}, best val loss {best_val_loss:.4f}")
     return history
+
+
+def main(argv=None):
+    """Train with the hyperparameters above as changed by argv (default sys.argv[1:]).
+    Returns the logged [(iteration, mean train loss since the previous line)]."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print_help()
+        return []
+    config, explicit = parse_config(argv)
+
+    # DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; plain python runs one process
+    ddp = "RANK" in os.environ
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+
+    ckpt = None  # resume: the checkpoint's config, and on top of it only what is given now
+    if config["init_from"] == "resume":
+        path = os.path.join(config["out_dir"], "ckpt.pt")
+        if not os.path.isfile(path):
+            raise ConfigError(f"no checkpoint at {path}: use --init_from=scratch (or point --out_dir at the run)")
+        ckpt = load_checkpoint(path, "start over with --init_from=scratch --overwrite=True, or use another --out_dir")
+        if missing := {"config", "optimizer", "iter_num", "best_val_loss"} - ckpt.keys():
+            raise ConfigError(f"{path} has no {', '.join(sorted(missing))}: train.py cannot resume it; fine-tune "
+                              f"from it with --init_from={path} and another --out_dir")
+        config = resume_config(ckpt["config"], config, explicit)
+    check_config(config)
+    c = types.SimpleNamespace(**config)
+    again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
+    again = ("torchrun <as before> " if ddp else "python ") + shlex.join(["train.py", *again])  # what continues
+
+    dev = c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={dev!r} but CUDA is not available: use --device=cpu (or auto)")
+    if ddp and dev.startswith("cuda"):
+        dev = f"cuda:{local_rank}"
+        torch.cuda.set_device(dev)
+    device = torch.device(dev)
+    if ddp:  # a timeout, so that a rank waiting for a dead or hung one fails in minutes, not in half an hour
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                                timeout=timedelta(seconds=c.ddp_timeout))
+
+    old = catch_signals((rank, c.out_dir) if ddp else None)
+    try:
+        history = train(c, explicit, ckpt, device, ddp, rank, world_size, again)
+        if ddp:
+            dist.barrier()  # rank 0 may still be evaluating and saving: leave together
+        return history
+    except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one
+        last = saved_at(c.out_dir)
+        raise Stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
+                                                         if last else "no checkpoint saved"), signal.SIGINT) from None
+    except (ConfigError, Stopped):
+        raise
+    except Exception:
+        if ddp:  # a collective failed: if another rank died, torchrun sends SIGTERM, maybe a moment after
+            for _ in range(30):  # it comes within torchrun's monitor interval (0.1 s) of the death
+                if STOP["signum"]:
+                    raise Stopped(rank_stopped(rank, c.out_dir, STOP["signum"]), STOP["signum"]) from None
+                time.sleep(0.1)
+        raise
+    finally:
+        release_signals(old)
+        if ddp:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 #   torchrun --standalone --nproc_per_node=8 train.py config/train_drt146m.py   # 8 GPUs, no accumulation
 #   python train.py config/train_drt146m.py                                     # 1 GPU, 8 accumulation steps
 # If 4 x 16,380 does not fit a GPU, add --batch_size=2: accumulation doubles, the step stays the same.
-# The model and optimizer keys are train.py's defaults; the run's shape is written out here.
+# The model keys are DRTConfig's defaults (model.py), the optimizer keys train.py's; the run's shape is written out here.
 out_dir = "out-drt146m"
 dataset = "pg19"
 batch_size = 4

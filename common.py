@@ -1,0 +1,63 @@
+"""
+Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
+formatting, the --lengths parser, a GPU's peak FLOP/s (for MFU) and peak memory. Not run on its own.
+
+    from common import fmt_time, parse_lengths, peak_flops, peak_mem_gib
+
+torch is imported inside the functions that use it, so prepare_pg19.py and its worker
+processes, which need only fmt_time, do not load it.
+"""
+
+import resource
+import sys
+
+# dense bf16 tensor-core peak FLOP/s by device name (the first key found in the name wins: PCIe first)
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
+
+
+def fmt_time(s):
+    """Seconds as 1h05m or 4m07s, for ETAs."""
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def fmt_len(n):
+    """A token count as 4K, 1M, or the number itself when it is not a whole K or M."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def parse_lengths(text):
+    """'4K,16K,1M' -> [4096, 16384, 1048576]; ValueError if it does not read as lengths."""
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        lengths = [int(float(t[:-1]) * mult[t[-1].upper()]) if t[-1].upper() in mult else int(t)
+                   for t in text.split(",") if t]
+    except (ValueError, KeyError):
+        lengths = []
+    if not lengths:
+        raise ValueError(f"--lengths={text!r}: expected a list like 4K,16K,1M or 4096,16384")
+    return lengths
+
+
+def peak_flops(device):
+    """bf16 dense peak FLOP/s of one GPU by its name, or None (a CPU, an unknown GPU: MFU n/a)."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_mem_gib(device="cpu"):
+    """Peak memory in GiB: on a GPU the most torch allocated there (since the last
+    torch.cuda.reset_peak_memory_stats), else this process's peak resident host memory."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
