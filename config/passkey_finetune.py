@@ -2,19 +2,16 @@
 # synthetic passkey task (tasks.py), then test it far beyond its 1,008-token training length.
 #   python train.py config/passkey_pretrain.py
 #   python train.py config/passkey_finetune.py
-#   python sample.py --out_dir=out-passkey --passkey --lengths=1K,4K,32K,256K,1M --offload
 #   python sample.py --out_dir=out-passkey --passkey --lengths=1K,4K,32K,256K,1M --offload --haystack=data/pg19/test.bin
 # Half the prompts hide the key in PG19 training books, half in the repeated "The grass is
-# green." filler: against the filler alone the retriever only learns to find the one chunk that
-# is not filler, and fails among real sentences. The loss is on the answer alone: with the loss
-# on every token, the books' language modelling drowns the answer's signal (3 of 3 seeds never
-# learned to retrieve). The question is aligned so that the landmark whose retrieval serves the
-# answer has read it. Needles stay out of the first 256 tokens, whose chunks are told apart by
-# having no past. The repeated filler alone (100% to 64M tokens, 0% among books):
-#   python train.py config/passkey_finetune.py --task_haystack= --task_align=False --task_loss=all
+# green." filler: against the filler alone the retriever learns to find the one chunk that is not
+# filler, and finds nothing among real sentences. The loss is on the answer alone: with the loss
+# on every token, the books' language modelling drowns the answer's signal. The question is
+# aligned so that the landmark whose retrieval serves the answer has read it (Appendix D). Needles
+# stay out of the first 256 tokens, whose chunks are told apart by having no past.
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
-dataset = "passkey"  # or "passkey,multikey,vartrack": one task drawn per prompt
+dataset = "passkey"  # a comma list (e.g. "passkey,multikey") draws one task per prompt
 task_haystack = "data/pg19/train.bin"
 task_haystack_frac = 0.5
 task_align = True
