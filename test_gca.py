@@ -1383,6 +1383,22 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     assert len(rows) == 4, out  # two lengths x two tasks
 
 
+def test_sample_show_misses(tmp_path, monkeypatch, capsys):
+    """--show_misses prints one line per wrong answer, with the key asked for: as many as the
+    accuracy column says were missed (a random model misses them all)."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--show_misses",
+                 "--device=cpu"])
+    out = capsys.readouterr().out
+    acc = float(re.search(r"^\s+300\s+3\s+(\d+\.\d)%", out, re.M).group(1))
+    misses = re.findall(r"miss at 300, sample (\d): wanted '(\d{5})', got '(.*)'", out)
+    assert len(misses) == round(3 * (1 - acc / 100)) and all(w != g for _, w, g in misses), out
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--device=cpu"])
+    assert "miss at" not in capsys.readouterr().out
+
+
 def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
     """The 'retrieved' column reads the picks that serve the answer: with topk >= the number of
     chunks every chunk is picked, so every needle that retrieval could reach counts as found;
