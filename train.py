@@ -102,20 +102,17 @@ PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how f
 
 
 def read_block():
-    """[(key, comment)] of the block above, headings as (None, heading), read from this file, with
-    DRTConfig's fields and their comments in model.py under the model heading: --help shows each
-    key's why from its one home."""
+    """[(key, comment)] of the block above, headings as (None, heading), DRTConfig's fields (and their
+    comments in model.py) under the model heading: --help shows each key's why from its one home."""
     with open(__file__, encoding="utf-8") as f:
         block = f.read().split("\n# ---- ")[1].splitlines()[1:]  # the lines between the two "# ---- " lines
     said = dict(re.findall(r"^[ \t]+(\w+)[ \t]*:.*? #[ \t]*(.*)$", inspect.getsource(DRTConfig), re.M))
     rows = []
     for line in block:
-        if m := re.match(r"(\w+) = .+?  # (.+)$", line):
-            rows.append((m[1], m[2]))
-        elif line.startswith("# "):
-            rows.append((None, line[2:].strip()))
-            if line.startswith("# model:"):
-                rows += [(f.name, said.get(f.name, "")) for f in dataclasses.fields(DRTConfig)]
+        m = re.match(r"(\w+) = .+?  # (.+)$", line)
+        rows += [(m[1], m[2])] if m else [(None, line[2:].strip())] if line.startswith("# ") else []
+        if line.startswith("# model:"):
+            rows += [(f.name, said.get(f.name, "")) for f in dataclasses.fields(DRTConfig)]
     return rows
 
 
@@ -136,21 +133,12 @@ class ConfigError(Exception):
 
 
 class Stopped(Exception):
-    """Ctrl-C or SIGTERM ended the run; the message says what was saved and how to continue."""
-
-    def __init__(self, message, signum):
-        super().__init__(message)
-        self.signum = signum
+    """Ctrl-C or SIGTERM ended the run: args = (what was saved and how to continue, the signal)."""
 
 
-def log(msg):
-    """Print on rank 0 alone (torchrun sets RANK), flushed so logs under nohup or tee keep up."""
+def log(msg):  # on rank 0 alone (torchrun sets RANK), flushed so logs under nohup or tee keep up
     if int(os.environ.get("RANK", 0)) == 0:
         print(msg, flush=True)
-
-
-# -----------------------------------------------------------------------------
-# the config: defaults, then config files and --key=value in order
 
 
 def parse_config(argv):
@@ -207,7 +195,6 @@ def check_config(config):
         raise ConfigError("; ".join(bad))
 
 
-# -----------------------------------------------------------------------------
 # checkpoints: each file is written whole (to .tmp, then renamed) and never replaced unasked
 
 
@@ -226,8 +213,7 @@ def load_checkpoint(path, fix):
 
 
 def save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, val_loss, tokens_per_step):
-    """ckpt.pt, and ckpt.json (the same without tensors) for people and tools without torch.
-    val_loss None: saved on a signal, between evaluations."""
+    """ckpt.pt, and ckpt.json (the same without tensors: for people and tools without torch); val_loss None on a signal."""
     state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
     path = os.path.join(c.out_dir, "ckpt.pt")
     torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, path + ".tmp")
@@ -249,14 +235,10 @@ def saved_at(out_dir):
     return None if not os.path.isfile(path) else path if step is None else f"{path} at step {step}"
 
 
-# -----------------------------------------------------------------------------
-# Ctrl-C and SIGTERM: the handler only takes note, and the loop stops at the next step boundary,
-# where the model is whole. Under torchrun the agent forwards a Ctrl-C to the workers, sends SIGTERM
-# to all when one worker dies, and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s later.
-
-
 class Stop:
-    """STOP.signum: the signal that asked to stop (0: none). Under DDP, a watchdog thread too."""
+    """Ctrl-C and SIGTERM: the handler only takes note (STOP.signum), and the loop stops at the next step
+    boundary, where the model is whole. Under torchrun the agent forwards a Ctrl-C to the workers, sends
+    SIGTERM to all when one worker dies, and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s later."""
 
     def catch(self, rank, out_dir, ddp):
         self.signum, self.at, self.old, self.wakeup = 0, 0.0, {}, None
@@ -303,16 +285,10 @@ class Stop:
 STOP = Stop()
 
 
-def rank_stopped(rank, out_dir, signum):
-    """The one line of a rank that cannot reach a step boundary with the others."""
-    why = " (another rank failed?)" if signum == signal.SIGTERM else ""
-    last = saved_at(out_dir)
+def rank_stopped(rank, out_dir, signum):  # the one line of a rank that cannot reach a step boundary with the others
+    why, last = " (another rank failed?)" if signum == signal.SIGTERM else "", saved_at(out_dir)
     return (f"rank {rank}: stopped by {signal.Signals(signum).name}{why}; "
             + (f"the last checkpoint is {last}: resume with --init_from=resume" if last else "no checkpoint saved"))
-
-
-# -----------------------------------------------------------------------------
-# the run's parts: model, data, loop
 
 
 def model_config(c, explicit, ckpt):
@@ -526,8 +502,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
 
     # the loop. iter_num counts the optimizer steps done; everything about step iter_num+1
     # (lr, batches, Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
-    ckpt_path, last = os.path.join(c.out_dir, "ckpt.pt"), c.stop_iter or c.max_iters
-    start, history = iter_num, []
+    start, last, history = iter_num, c.stop_iter or c.max_iters, []
     resumed = c.init_from == "resume"  # then step `start` was evaluated just before the save
     saved = start if resumed else -1  # the step of the checkpoint this run last wrote (or resumed)
     stop = 0  # the signal that stops every rank at the next step boundary (STOP.signum: what this rank was sent)
@@ -554,13 +529,10 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
                 save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, None, tokens_per_step)
             if ddp:
                 dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
-            msg = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
-            if iter_num > start:
-                msg += f": saved {ckpt_path} at step {iter_num}; continue with: {again}"
-            elif resumed:
-                msg += f" before step {start + 1}: nothing new to save; continue with: {again}"
-            else:
-                msg += " before the first step: nothing saved"
+            msg = ("interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}") + (
+                f": saved {os.path.join(c.out_dir, 'ckpt.pt')} at step {iter_num}; continue with: {again}"
+                if iter_num > start else f" before step {start + 1}: nothing new to save; continue with: {again}"
+                if resumed else " before the first step: nothing saved")
             raise Stopped(msg if master else "", stop)
 
         lr = get_lr(iter_num, c)
@@ -688,9 +660,9 @@ if __name__ == "__main__":
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}")
     except Stopped as e:
-        if str(e):  # said by rank 0, or by each rank that failed
-            print(f"train.py: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + e.signum)  # the shell's code for death by that signal: 130 for Ctrl-C
+        if e.args[0]:  # said by rank 0, or by each rank that failed
+            print(f"train.py: {e.args[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.args[1])  # the shell's code for death by that signal: 130 for Ctrl-C
     except KeyboardInterrupt:  # before training began
         print("train.py: interrupted before training began: nothing saved", file=sys.stderr)
         raise SystemExit(130)
