@@ -165,7 +165,8 @@ def parse_config(argv):
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(f"{arg}: unknown key {k!r}{hint}; python train.py --help lists the keys")
             want = TYPES[k]
-            v = float(v) if want is float and type(v) is int else tuple(v) if want is tuple and type(v) is list else v
+            if want is float and type(v) is int or want is tuple and isinstance(v, list):
+                v = want(v)
             if type(v) is not want and not (v is None and DEFAULTS[k] is None):
                 raise ConfigError(f"{arg}: {k} must be of type {want.__name__} like its default "
                                   f"{DEFAULTS[k]!r}, got {v!r} ({type(v).__name__})")
@@ -213,7 +214,7 @@ def load_checkpoint(path, fix):
 
 
 def save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, val_loss, tokens_per_step):
-    """ckpt.pt, and ckpt.json (the same without tensors: for people and tools without torch); val_loss None on a signal."""
+    """ckpt.pt, and ckpt.json (the same without tensors, for people and tools without torch); val_loss None: signal."""
     state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
     path = os.path.join(c.out_dir, "ckpt.pt")
     torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, path + ".tmp")
