@@ -25,6 +25,7 @@ one bit for bit. The same makes the global batch independent of how it is split 
 and accumulation steps.
 """
 
+
 import ast
 import dataclasses
 import difflib
@@ -35,9 +36,11 @@ import os
 import pickle
 import random
 import re
+import runpy
 import shlex
 import signal
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -98,33 +101,18 @@ CPU_FLOPS = 1e11  # FLOP/s of fp32 training on a fast CPU, for the warning that 
 PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
 
 
-def model_block():
-    """[(field, comment)] of DRTConfig, each comment the one after the field in model.py (or above it)."""
-    said, above = {}, []
-    for line in inspect.getsource(DRTConfig).split(":\n", 1)[1].splitlines():  # after "class DRTConfig:"
-        text = line.strip()
-        if text.startswith(("def ", "@")):  # the fields are over
-            break
-        if m := re.match(r"(\w+)\s*:[^#]*(?:#\s*(.*))?$", text):
-            said[m[1]] = m[2] or " ".join(above)
-        above = above + [text.lstrip("# ")] if text.startswith("#") else []
-    return [(f.name, said.get(f.name, "")) for f in dataclasses.fields(DRTConfig)]
-
-
 def read_block():
-    """[(key, comment)] of the block above, headings as (None, heading), read from this file
-    (DRTConfig's fields under the model heading): --help shows each key's why from its one home."""
-    rows, inside = [], False
+    """[(key, comment)] of the block above, headings as (None, heading), DRTConfig's fields (and their
+    comments in model.py) under the model heading: --help shows each key's why from its one home."""
     with open(__file__, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("# ---- "):
-                if inside:
-                    break
-                inside = True
-            elif inside and (m := re.match(r"(\w+) = .+?  # (.+)$", line)):
-                rows.append((m[1], m[2]))
-            elif inside and line.startswith("# "):
-                rows += [(None, line[2:].strip())] + (model_block() if line.startswith("# model:") else [])
+        block = f.read().split("\n# ---- ")[1].splitlines()[1:]  # the lines between the two "# ---- " lines
+    said = dict(re.findall(r"^[ \t]+(\w+)[ \t]*:.*? #[ \t]*(.*)$", inspect.getsource(DRTConfig), re.M))
+    rows = []
+    for line in block:
+        m = re.match(r"(\w+) = .+?  # (.+)$", line)
+        rows += [(m[1], m[2])] if m else [(None, line[2:].strip())] if line.startswith("# ") else []
+        if line.startswith("# model:"):
+            rows += [(f.name, said.get(f.name, "")) for f in dataclasses.fields(DRTConfig)]
     return rows
 
 
@@ -133,7 +121,11 @@ MODEL_DEFAULTS = {f.name: f.default_factory() if f.default is dataclasses.MISSIN
 MODEL_KEYS = list(MODEL_DEFAULTS)
 BLOCK = read_block()
 DEFAULTS = {k: MODEL_DEFAULTS[k] if k in MODEL_KEYS else globals()[k] for k, _ in BLOCK if k}
-HINTS = typing.get_type_hints(DRTConfig)
+# the type a key's values must have: its default's; a default None (model.py fills it in) takes the
+# field's annotation, Optional[int] -> int
+TYPES = {k: type(v) for k, v in DEFAULTS.items()} | {
+    k: next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    for k, hint in typing.get_type_hints(DRTConfig).items() if DEFAULTS[k] is None}
 
 
 class ConfigError(Exception):
@@ -141,46 +133,17 @@ class ConfigError(Exception):
 
 
 class Stopped(Exception):
-    """Ctrl-C or SIGTERM ended the run; the message says what was saved and how to continue."""
-
-    def __init__(self, message, signum):
-        super().__init__(message)
-        self.signum = signum
+    """Ctrl-C or SIGTERM ended the run: args = (what was saved and how to continue, the signal)."""
 
 
-def log(msg):
-    """Print on rank 0 alone (torchrun sets RANK), flushed so logs under nohup or tee keep up."""
+def log(msg):  # on rank 0 alone (torchrun sets RANK), flushed so logs under nohup or tee keep up
     if int(os.environ.get("RANK", 0)) == 0:
         print(msg, flush=True)
 
 
-# -----------------------------------------------------------------------------
-# the config: defaults, then config files and --key=value in order
-
-
-def key_type(key):
-    """The type key's values must have: its default's; a default None (model.py fills it in)
-    takes the field's annotation, Optional[int] -> int."""
-    if DEFAULTS[key] is not None:
-        return type(DEFAULTS[key])
-    return next((t for t in typing.get_args(HINTS[key]) if t is not type(None)), HINTS[key])
-
-
-def typed(key, value, where):
-    """value with key's type: ints pass for floats, lists for tuples, any text for strings."""
-    want = key_type(key)
-    if want is float and type(value) is int:
-        value = float(value)
-    elif want is tuple and isinstance(value, list):
-        value = tuple(value)
-    if type(value) is not want and not (value is None and DEFAULTS[key] is None):
-        raise ConfigError(f"{where}: {key} must be of type {want.__name__} like its default "
-                          f"{DEFAULTS[key]!r}, got {value!r} ({type(value).__name__})")
-    return value
-
-
 def parse_config(argv):
-    """argv: config files and --key=value, applied in order -> (config dict, keys set explicitly)."""
+    """argv: config files and --key=value, applied in order -> (config dict, keys set explicitly).
+    Each value must have its key's type: ints pass for floats, lists for tuples, any text for strings."""
     config, explicit = dict(DEFAULTS), set()
     for arg in argv:
         if arg.startswith("--"):
@@ -188,31 +151,28 @@ def parse_config(argv):
             if not eq:
                 raise ConfigError(f"{arg}: write overrides as --key=value")
             try:
-                value = ast.literal_eval(text)
+                updates = {key: text if TYPES.get(key) is str else ast.literal_eval(text)}
             except (ValueError, SyntaxError):
-                value = text  # a bare word: a string
-            updates = {key: text if key in DEFAULTS and key_type(key) is str else value}
+                updates = {key: text}  # a bare word: a string
+        elif os.path.isfile(arg):
+            updates = {k: v for k, v in runpy.run_path(arg).items()
+                       if not k.startswith("_") and not isinstance(v, types.ModuleType)}
         else:
-            if not os.path.isfile(arg):
-                raise ConfigError(f"config file {arg} not found (overrides are written --key=value)")
-            scope = {}
-            with open(arg, encoding="utf-8") as f:
-                exec(f.read(), scope)
-            updates = {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+            raise ConfigError(f"config file {arg} not found (overrides are written --key=value)")
         for k, v in updates.items():
             if k not in DEFAULTS:
                 close = difflib.get_close_matches(k, DEFAULTS, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(f"{arg}: unknown key {k!r}{hint}; python train.py --help lists the keys")
-            config[k] = typed(k, v, arg)
+            want = TYPES[k]
+            if want is float and type(v) is int or want is tuple and isinstance(v, list):
+                v = want(v)
+            if type(v) is not want and not (v is None and DEFAULTS[k] is None):
+                raise ConfigError(f"{arg}: {k} must be of type {want.__name__} like its default "
+                                  f"{DEFAULTS[k]!r}, got {v!r} ({type(v).__name__})")
+            config[k] = v
             explicit.add(k)
     return config, explicit
-
-
-def print_help():
-    print(__doc__.strip() + "\n\nKeys (default, why):")
-    for key, comment in BLOCK:
-        print(f"\n{comment}" if key is None else f"  --{key}={DEFAULTS[key]!r}\n      {comment}")
 
 
 def check_config(config):
@@ -236,20 +196,6 @@ def check_config(config):
         raise ConfigError("; ".join(bad))
 
 
-def resume_config(stored, now, explicit):
-    """The resumed run's config: the checkpoint's, with the keys given now (explicit) applied and
-    each change printed; PER_RUN keys are now's. Model keys given now are checked against the
-    checkpoint later (they cannot change)."""
-    c = {k: stored.get(k, now[k]) for k in DEFAULTS}  # a key newer than the checkpoint: its value now
-    for k in DEFAULTS:
-        if k in explicit and k not in PER_RUN and k not in MODEL_KEYS and c[k] != now[k]:
-            log(f"resume: {k} {c[k]!r} -> {now[k]!r} (given now)")
-        if k in explicit or k in PER_RUN:
-            c[k] = now[k]
-    return c
-
-
-# -----------------------------------------------------------------------------
 # checkpoints: each file is written whole (to .tmp, then renamed) and never replaced unasked
 
 
@@ -268,8 +214,7 @@ def load_checkpoint(path, fix):
 
 
 def save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, val_loss, tokens_per_step):
-    """ckpt.pt, and ckpt.json (the same without tensors) for people and tools without torch.
-    val_loss None: saved on a signal, between evaluations."""
+    """ckpt.pt, and ckpt.json (the same without tensors, for people and tools without torch); val_loss None: signal."""
     state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
     path = os.path.join(c.out_dir, "ckpt.pt")
     torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, path + ".tmp")
@@ -291,89 +236,60 @@ def saved_at(out_dir):
     return None if not os.path.isfile(path) else path if step is None else f"{path} at step {step}"
 
 
-def check_out_dir(out_dir):
-    """out_dir is, or can become, a writable folder: checked last, so a run that cannot start leaves none behind."""
-    parent = out_dir
-    while parent and not os.path.exists(parent):  # the nearest part of the path that exists
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):
-        where = "" if parent == out_dir else f": {parent}"
-        raise ConfigError(f"out_dir {out_dir}{where} is a file, not a folder: pass --out_dir=<folder>")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
-        open(probe, "wb").close()
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"out_dir {out_dir} is not writable ({e}): pass --out_dir=<writable folder>") from None
+class Stop:
+    """Ctrl-C and SIGTERM: the handler only takes note (STOP.signum), and the loop stops at the next step
+    boundary, where the model is whole. Under torchrun the agent forwards a Ctrl-C to the workers, sends
+    SIGTERM to all when one worker dies, and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s later."""
+
+    def catch(self, rank, out_dir, ddp):
+        self.signum, self.at, self.old, self.wakeup = 0, 0.0, {}, None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.old = {s: signal.signal(s, self.note) for s in (signal.SIGINT, signal.SIGTERM)}
+        if ddp:
+            r, w = os.pipe()
+            try:
+                os.set_blocking(w, False)
+                self.wakeup = (signal.set_wakeup_fd(w), w)  # Python's C-level handler writes the signal number to w
+            except (ValueError, OSError):  # where the wakeup fd must be a socket (Windows): no watchdog
+                os.close(r)
+                os.close(w)
+                return
+            threading.Thread(target=self.watchdog, args=(r, rank, out_dir), daemon=True).start()
+
+    def note(self, signum, frame):
+        # a second Ctrl-C stops at once; within 1 s it is the first one again (sent by the terminal and by torchrun)
+        if signum == signal.SIGINT and self.signum and time.time() - self.at > 1:
+            raise KeyboardInterrupt
+        if not self.signum:
+            self.signum, self.at = signum, time.time()
+
+    def watchdog(self, fd, rank, out_dir):
+        """A rank stuck in a collective whose peer died never gets back to Python, where note runs. This
+        thread wakes on the signal's byte at fd, gives the main thread 2/3 of torchrun's grace to stop
+        at a step boundary, then says in one line what to do and exits."""
+        for b in iter(lambda: os.read(fd, 1), b""):  # until release closes the write end
+            if b[0] in (signal.SIGINT, signal.SIGTERM):
+                time.sleep(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) * 2 / 3)
+                print(f"train.py: {rank_stopped(rank, out_dir, b[0])}", file=sys.stderr, flush=True)
+                os._exit(128 + b[0])
+        os.close(fd)
+
+    def release(self):
+        if self.wakeup:
+            signal.set_wakeup_fd(self.wakeup[0])
+            os.close(self.wakeup[1])
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
 
 
-# -----------------------------------------------------------------------------
-# Ctrl-C and SIGTERM: the handler only takes note, and the loop stops at the next step boundary,
-# where the model is whole. Under torchrun the agent forwards a Ctrl-C to the workers, sends SIGTERM
-# to all when one worker dies, and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s later.
-
-STOP = {"signum": 0, "at": 0.0}  # the signal that asked to stop, and when
+STOP = Stop()
 
 
-def on_signal(signum, frame):
-    # a second Ctrl-C stops at once; within 1 s it is the first one again (sent by the terminal and by torchrun)
-    if signum == signal.SIGINT and STOP["signum"] and time.time() - STOP["at"] > 1:
-        raise KeyboardInterrupt
-    if not STOP["signum"]:
-        STOP.update(signum=signum, at=time.time())
-
-
-def rank_stopped(rank, out_dir, signum):
-    """The one line of a rank that cannot reach a step boundary with the others."""
-    why = " (another rank failed?)" if signum == signal.SIGTERM else ""
-    last = saved_at(out_dir)
+def rank_stopped(rank, out_dir, signum):  # the one line of a rank that cannot reach a step boundary with the others
+    why, last = " (another rank failed?)" if signum == signal.SIGTERM else "", saved_at(out_dir)
     return (f"rank {rank}: stopped by {signal.Signals(signum).name}{why}; "
             + (f"the last checkpoint is {last}: resume with --init_from=resume" if last else "no checkpoint saved"))
-
-
-def watchdog(fd, rank, out_dir):
-    """DDP: a rank stuck in a collective whose peer died never gets back to Python, where on_signal
-    runs. This thread wakes on the signal's byte at fd, gives the main thread 2/3 of torchrun's
-    grace to stop at a step boundary, then says in one line what to do and exits."""
-    for b in iter(lambda: os.read(fd, 1), b""):  # until release_signals closes the write end
-        if b[0] in (signal.SIGINT, signal.SIGTERM):
-            time.sleep(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) * 2 / 3)
-            print(f"train.py: {rank_stopped(rank, out_dir, b[0])}", file=sys.stderr, flush=True)
-            os._exit(128 + b[0])
-    os.close(fd)
-
-
-def catch_signals(watch=None):
-    """Install on_signal, and with watch=(rank, out_dir) the watchdog; returns what release_signals restores."""
-    STOP.update(signum=0, at=0.0)
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    if watch:
-        r, w = os.pipe()
-        try:
-            os.set_blocking(w, False)
-            old["wakeup"] = (signal.set_wakeup_fd(w), w)  # Python's C-level handler writes the signal number to w
-        except (ValueError, OSError):  # where the wakeup fd must be a socket (Windows): no watchdog
-            os.close(r)
-            os.close(w)
-            return old
-        threading.Thread(target=watchdog, args=(r, *watch), daemon=True).start()
-    return old
-
-
-def release_signals(old):
-    if "wakeup" in old:
-        fd, w = old.pop("wakeup")
-        signal.set_wakeup_fd(fd)
-        os.close(w)
-    for s, handler in old.items():
-        signal.signal(s, handler)
-
-
-# -----------------------------------------------------------------------------
-# the run's parts: model, data, loop
 
 
 def model_config(c, explicit, ckpt):
@@ -415,21 +331,19 @@ def model_config(c, explicit, ckpt):
     return model_args, ckpt, finetune
 
 
-def build_model(c, model_args, ckpt, finetune, device):
-    """-> (raw_model, model, optimizer, iter_num, best_val_loss); raw_model is what the checkpoint
-    holds (never compiled, never wrapped), model the compiled one on CUDA."""
-    torch.manual_seed(c.seed)  # the same initial weights on every rank
-    raw_model = DRT(DRTConfig(**model_args)).to(device)
-    optimizer = raw_model.configure_optimizers(c.weight_decay, c.learning_rate, c.betas, device.type)
-    iter_num, best_val_loss = 0, float("inf")
-    if ckpt:
-        raw_model.load_state_dict(ckpt["model"])
-        if not finetune:  # a fine-tune keeps only the weights: its own optimizer, schedule and best loss
-            optimizer.load_state_dict(ckpt["optimizer"])
-            iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        ckpt.clear()  # free it (main holds it too)
-    model = torch.compile(raw_model) if c.compile and device.type == "cuda" else raw_model
-    return raw_model, model, optimizer, iter_num, best_val_loss
+def check_out_dir(out_dir):
+    """out_dir is, or can become, a writable folder: checked last, so a run that cannot start leaves none behind."""
+    parent = out_dir
+    while parent and not os.path.exists(parent):  # the nearest part of the path that exists
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        where = "" if parent == out_dir else f": {parent}"
+        raise ConfigError(f"out_dir {out_dir}{where} is a file, not a folder: pass --out_dir=<folder>")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as e:
+        raise ConfigError(f"out_dir {out_dir} is not writable ({e}): pass --out_dir=<writable folder>") from None
 
 
 class Data:
@@ -455,16 +369,17 @@ class Data:
             return
         self.tasks, data_dir = None, c.data_dir or os.path.join("data", c.dataset)
         meta_path = os.path.join(data_dir, "meta.json")
+        prepare = f"python prepare_pg19.py --source /path/to/pg19 --out {data_dir}"
         if not os.path.isfile(meta_path):
-            raise ConfigError(f"{meta_path} not found: prepare the data first, e.g. python prepare_pg19.py "
-                              f"--source /path/to/pg19 --out {data_dir} (or --dataset={'|'.join(tasks.TASKS)})")
+            raise ConfigError(f"{meta_path} not found: prepare the data first, e.g. {prepare} "
+                              f"(or --dataset={'|'.join(tasks.TASKS)})")
         with open(meta_path) as f:
             self.vocab, self.splits = json.load(f)["vocab_size"], {}
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
             if not os.path.isfile(path):
                 raise ConfigError(f"{path} not found, but {meta_path} is: the preparation did not finish; run it "
-                                  f"again, e.g. python prepare_pg19.py --source /path/to/pg19 --out {data_dir}")
+                                  f"again, e.g. {prepare}")
             n = os.path.getsize(path) // 2
             if n < c.block_size + 1:
                 raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={c.block_size + 1:,}; "
@@ -557,7 +472,19 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
                           f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
     if master:
         check_out_dir(c.out_dir)
-    raw_model, eval_model, optimizer, iter_num, best_val_loss = build_model(c, model_args, ckpt, finetune, device)
+
+    # raw_model is what the checkpoint holds (never compiled, never wrapped)
+    torch.manual_seed(c.seed)  # the same initial weights on every rank
+    raw_model = DRT(DRTConfig(**model_args)).to(device)
+    optimizer = raw_model.configure_optimizers(c.weight_decay, c.learning_rate, c.betas, device.type)
+    iter_num, best_val_loss = 0, float("inf")
+    if ckpt:
+        raw_model.load_state_dict(ckpt["model"])
+        if not finetune:  # a fine-tune keeps only the weights: its own optimizer, schedule and best loss
+            optimizer.load_state_dict(ckpt["optimizer"])
+            iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        ckpt.clear()  # free it (main holds it too)
+    eval_model = torch.compile(raw_model) if c.compile and device.type == "cuda" else raw_model
     # evaluation runs on rank 0 alone, so never through DDP
     model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
 
@@ -576,11 +503,10 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
 
     # the loop. iter_num counts the optimizer steps done; everything about step iter_num+1
     # (lr, batches, Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
-    ckpt_path, last = os.path.join(c.out_dir, "ckpt.pt"), c.stop_iter or c.max_iters
-    start, history = iter_num, []
+    start, last, history = iter_num, c.stop_iter or c.max_iters, []
     resumed = c.init_from == "resume"  # then step `start` was evaluated just before the save
     saved = start if resumed else -1  # the step of the checkpoint this run last wrote (or resumed)
-    stop = 0  # the signal that stops every rank at the next step boundary (STOP: what this rank was sent)
+    stop = 0  # the signal that stops every rank at the next step boundary (STOP.signum: what this rank was sent)
     loss_sum = torch.zeros((), device=device)
     model.train()
     t_last, it_last = time.time(), iter_num
@@ -598,19 +524,16 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
             break
-        stop = stop if ddp else STOP["signum"]  # one process: at every step; DDP: agreed at the log line below
+        stop = stop if ddp else STOP.signum  # one process: at every step; DDP: agreed at the log line below
         if stop:  # a step boundary: the model is whole
             if master and iter_num > saved:
                 save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, None, tokens_per_step)
             if ddp:
                 dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
-            msg = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
-            if iter_num > start:
-                msg += f": saved {ckpt_path} at step {iter_num}; continue with: {again}"
-            elif resumed:
-                msg += f" before step {start + 1}: nothing new to save; continue with: {again}"
-            else:
-                msg += " before the first step: nothing saved"
+            msg = ("interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}") + (
+                f": saved {os.path.join(c.out_dir, 'ckpt.pt')} at step {iter_num}; continue with: {again}"
+                if iter_num > start else f" before step {start + 1}: nothing new to save; continue with: {again}"
+                if resumed else " before the first step: nothing saved")
             raise Stopped(msg if master else "", stop)
 
         lr = get_lr(iter_num, c)
@@ -637,7 +560,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
         if iter_num % c.log_interval == 0 or iter_num == last:
             if ddp:  # the loss of the global batch, and whether any rank was sent Ctrl-C/SIGTERM: all stop at this
                 # step. On this all-reduce, which the log line needs anyway: a flag of its own would sync every step
-                sent = [float(STOP["signum"] == s) for s in (signal.SIGINT, signal.SIGTERM)]
+                sent = [float(STOP.signum == s) for s in (signal.SIGINT, signal.SIGTERM)]
                 both = torch.cat([loss_sum.view(1), torch.tensor(sent, device=device)])
                 dist.all_reduce(both)  # SUM (gloo has no AVG)
                 total, n_int, n_term = both.tolist()
@@ -664,7 +587,9 @@ def main(argv=None):
     Returns the logged [(iteration, mean train loss since the previous line)]."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print_help()
+        print(__doc__.strip() + "\n\nKeys (default, why):")
+        for key, comment in BLOCK:
+            print(f"\n{comment}" if key is None else f"  --{key}={DEFAULTS[key]!r}\n      {comment}")
         return []
     config, explicit = parse_config(argv)
 
@@ -682,7 +607,12 @@ def main(argv=None):
         if missing := {"config", "optimizer", "iter_num", "best_val_loss"} - ckpt.keys():
             raise ConfigError(f"{path} has no {', '.join(sorted(missing))}: train.py cannot resume it; fine-tune "
                               f"from it with --init_from={path} and another --out_dir")
-        config = resume_config(ckpt["config"], config, explicit)
+        for k in DEFAULTS:  # PER_RUN keys and those given now are now's; model keys are checked in model_config
+            stored = ckpt["config"].get(k, config[k])  # a key newer than the checkpoint: its value now
+            if k in explicit and k not in PER_RUN and k not in MODEL_KEYS and stored != config[k]:
+                log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
+            if k not in explicit and k not in PER_RUN:
+                config[k] = stored
     check_config(config)
     c = types.SimpleNamespace(**config)
     again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
@@ -700,7 +630,7 @@ def main(argv=None):
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                                 timeout=timedelta(seconds=c.ddp_timeout))
 
-    old = catch_signals((rank, c.out_dir) if ddp else None)
+    STOP.catch(rank, c.out_dir, ddp)
     try:
         history = train(c, explicit, ckpt, device, ddp, rank, world_size, again)
         if ddp:
@@ -715,12 +645,12 @@ def main(argv=None):
     except Exception:
         if ddp:  # a collective failed: if another rank died, torchrun sends SIGTERM, maybe a moment after
             for _ in range(30):  # it comes within torchrun's monitor interval (0.1 s) of the death
-                if STOP["signum"]:
-                    raise Stopped(rank_stopped(rank, c.out_dir, STOP["signum"]), STOP["signum"]) from None
+                if STOP.signum:
+                    raise Stopped(rank_stopped(rank, c.out_dir, STOP.signum), STOP.signum) from None
                 time.sleep(0.1)
         raise
     finally:
-        release_signals(old)
+        STOP.release()
         if ddp:
             dist.destroy_process_group()
 
@@ -731,9 +661,9 @@ if __name__ == "__main__":
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}")
     except Stopped as e:
-        if str(e):  # said by rank 0, or by each rank that failed
-            print(f"train.py: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + e.signum)  # the shell's code for death by that signal: 130 for Ctrl-C
+        if e.args[0]:  # said by rank 0, or by each rank that failed
+            print(f"train.py: {e.args[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.args[1])  # the shell's code for death by that signal: 130 for Ctrl-C
     except KeyboardInterrupt:  # before training began
         print("train.py: interrupted before training began: nothing saved", file=sys.stderr)
         raise SystemExit(130)
