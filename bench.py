@@ -335,8 +335,9 @@ def main(argv=None):
                          "python -m pytest -q test_gca.py -k flash_gca")
     if args.kernel and dev.type != "cuda":
         p.error("--kernel times the Triton kernels on a GPU: drop --device=cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)  # "cuda" below (inputs, memory stats) is this GPU
+    if dev.type == "cuda":  # "cuda" below (inputs, memory stats) is this GPU; plain "cuda" has no index
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(dev)
     print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}", flush=True)
     ok = bench_kernel(args) if args.kernel else True
     if args.train:

@@ -1934,6 +1934,20 @@ def test_bench_without_gpu(mode, monkeypatch):
     assert [n for n in globals() if n.startswith("test_flash_gca") and k in n]  # run on a CPU, not CUDA-only
 
 
+def test_bench_cuda_device_has_an_index(monkeypatch):
+    """bench.py --device=cuda (the default) selects the GPU with an index: torch.cuda.set_device
+    refuses a bare 'cuda'. Checked through torch's own index check, with a pretend GPU."""
+    import bench
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(torch.cuda._utils._get_device_index(d)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "pretend GPU")
+    monkeypatch.setattr(bench, "bench_long", lambda args, dev: seen.append(dev))
+    bench.main(["--long"])
+    assert seen == [0, torch.device("cuda", 0)]
+
+
 def test_bench_kernel_inputs():
     """bench.py --kernel's shapes are in the kernel tests' order (B, C, M, S, H, D, K, dtype, note), the
     first one DRT's training shape, and its naive path (what FlashGCA is timed against) is the reference GCA."""
