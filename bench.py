@@ -341,6 +341,7 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}", flush=True)
     ok = bench_kernel(args) if args.kernel else True
     if args.train:
+        torch.set_float32_matmul_precision("high")  # as train.py: TF32 for what stays in fp32
         bench_train(args, dev)
     if args.long:
         bench_long(args, dev)

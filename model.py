@@ -42,6 +42,11 @@ try:
 except ImportError:  # torch < 2.5: blocked SDPA everywhere
     flex_attention = None
 
+try:  # FlashGCA, the fused Triton kernels of GCA; where Triton is missing, the PyTorch reference serves
+    import gca_kernel
+except ImportError:
+    gca_kernel = None
+
 
 def cdiv(a, b):
     """ceil(a / b) for integers."""
@@ -365,21 +370,10 @@ def gca_reference(q, k_mem, v_mem, idx, w):
     return o.to(dtype)
 
 
-@functools.cache
-def _gca_kernel():
-    """The gca_kernel module (FlashGCA), or None where Triton is missing. Imported on first use:
-    the tests set TRITON_INTERPRET before Triton is imported."""
-    try:
-        import gca_kernel
-    except ImportError:
-        return None
-    return gca_kernel
-
-
 def gca(q, k_mem, v_mem, idx, w):
     """GCA through the fused Triton kernel where it applies (CUDA, a tile it is built for),
     else the PyTorch reference: the same function either way."""
-    kernel = _gca_kernel() if GCA_IMPL != "torch" else None
+    kernel = gca_kernel if GCA_IMPL != "torch" else None
     if GCA_IMPL == "triton" and kernel is None:
         raise ImportError("DRT_GCA=triton, but gca_kernel (Triton) cannot be imported")
     fits = (kernel is not None and q.is_cuda and k_mem.dtype == v_mem.dtype == q.dtype

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 import zlib
 from pathlib import Path
 
@@ -171,7 +172,6 @@ def test_flex_window_attention(L, W, block):
     """The FlexAttention path of window attention: its block mask is exactly the window's
     (full blocks skip the mask on a GPU, so a wrongly 'full' block would leak), and its output
     equals the blocked-SDPA path and a dense reference (FlexAttention runs unfused on a CPU)."""
-    import warnings
     from model import flex_window_attention, window_block_mask
     bm = window_block_mask(L, W, "cpu", block)
     nq = -(-L // block)
@@ -672,6 +672,29 @@ def test_loss_without_logits():
     for a, b in zip(g_full, (p.grad for p in model.parameters())):
         torch.testing.assert_close(a, b)
 
+
+
+def test_compile_whole_model():
+    """torch.compile takes the whole training step as one graph (fullgraph: a break raises) with no
+    warning from the compiler, and computes what eager computes. backend="aot_eager" traces and
+    differentiates as on the GPU, without needing a C++ compiler."""
+    torch._dynamo.reset()
+    model = tiny_model(dtype=torch.float32).train()
+    model.config.gumbel = False  # the same picks in both runs
+    idx = tokens(model.config, 2, 5 * 7 + 3, seed=17)
+    targets = torch.roll(idx, -1, 1)
+    _, ref = model(idx, targets, return_logits=False)
+    ref.backward()
+    g_ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, loss = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, targets, return_logits=False)
+        loss.backward()
+    assert not [f"{w.filename}: {w.message}" for w in caught if "torch" in w.filename]
+    torch.testing.assert_close(loss, ref)
+    for a, p in zip(g_ref, model.parameters()):
+        torch.testing.assert_close(p.grad, a)
 
 # -----------------------------------------------------------------------------
 # streaming state (§3.2): token-by-token decoding, segmented prefill, offloaded memory, generate
