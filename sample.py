@@ -155,14 +155,14 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
     print(f"\n{task}: {args.samples} samples per length, {'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
           f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}")
-    header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'s/sample':>9} {'peak GPU':>9} "
-              f"{'peak host':>9} {'KV mem':>8}")
+    header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'needle w':>8} {'s/sample':>9} "
+              f"{'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
     rows, T = [], model.config.chunk_size - 1
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        correct, t0, kv, eligible, found = 0, time.time(), 0, 0, 0
+        correct, t0, kv, eligible, found, weight = 0, time.time(), 0, 0, 0, 0.0
         for i in range(args.samples):
             rng = random.Random(prompt_seed(args.seed, task, L, i))  # same prompts for every model and run
             prompt, answer = make_example(task, L, rng, enc, haystack, align=align)
@@ -188,17 +188,21 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
             need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
             if picks and need is not None and need < last - 1:
                 eligible += 1
-                found += any(bool((((idx == need) | (idx == need + 1)) & (w > 0)).any()) for idx, w in picks)
+                on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
+                found += any(bool(m.any()) for m in on_needle)
+                # the weight (Eq. 3) the needle's chunks get, mean over the upper groups: GCA mixes the
+                # picked chunks' outputs by it, so other chunks that hold an answer dilute this one
+                weight += sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
             kv = state.memory.nbytes()
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
         gpu = peak_mem_gib(device) if device.type == "cuda" else float("nan")
-        hits = f"{found}/{eligible}" if eligible else "-"
-        row = (fmt_len(L), args.samples, correct / args.samples, hits, dt, gpu, peak_mem_gib(), kv / 2**30)
+        hits, share = (f"{found}/{eligible}", f"{weight / eligible:.2f}") if eligible else ("-", "-")
+        row = (fmt_len(L), args.samples, correct / args.samples, hits, share, dt, gpu, peak_mem_gib(), kv / 2**30)
         rows.append(row)
         gpu_col = f"{gpu:>8.2f}G" if gpu == gpu else f"{'-':>9}"  # no GPU: nan
-        print(f"{row[0]:>8} {row[1]:>7} {row[2]:>8.1%} {row[3]:>9} {row[4]:>9.2f} {gpu_col} {row[6]:>8.2f}G "
-              f"{row[7]:>7.2f}G", flush=True)
+        print(f"{row[0]:>8} {row[1]:>7} {row[2]:>8.1%} {row[3]:>9} {row[4]:>8} {row[5]:>9.2f} {gpu_col} "
+              f"{row[7]:>8.2f}G {row[8]:>7.2f}G", flush=True)
     return rows
 
 

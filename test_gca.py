@@ -1425,7 +1425,7 @@ def test_sample_show_misses(tmp_path, monkeypatch, capsys):
 def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
     """The 'retrieved' column reads the picks that serve the answer: with topk >= the number of
     chunks every chunk is picked, so every needle that retrieval could reach counts as found;
-    with topk=1 a random model finds fewer."""
+    with topk=1 a random model finds fewer. 'needle w' is the retrieval weight on the needle's chunks."""
     import sample
     _tokenizer_or_skip(monkeypatch)
     prompt, T = [5, 6, 7, 1, 2, 3, 8, 9, 1, 2, 4], 4
@@ -1436,10 +1436,15 @@ def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
         sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=2K", "--samples_per_length=6", "--segment=700",
                      "--device=cpu"])
         out = capsys.readouterr().out
-        found[k] = re.search(r"^\s+2K\s+6\s+\d+\.\d%\s+(\d+)/(\d+)\s", out, re.M).groups()
-    hit, eligible = map(int, found[64])
+        assert re.search(r"retrieved\s+needle w\s+s/sample", out), out  # the columns parsed below
+        hit, eligible, w = re.search(r"^\s+2K\s+6\s+\d+\.\d%\s+(\d+)/(\d+)\s+(\d\.\d\d)\s", out, re.M).groups()
+        found[k] = int(hit), int(eligible), float(w)
+    hit, eligible, w = found[64]
     assert eligible >= 4 and hit == eligible, found  # 2K tokens: 33 chunks, needles mostly far from the end
-    assert int(found[1][0]) < int(found[1][1]), found
+    assert 0 < w < 0.5, found  # every chunk picked: the needle's two chunks get a small part of the weight
+    hit, eligible, w = found[1]
+    assert hit < eligible, found
+    assert (w > 0) == (hit > 0) and w <= hit / eligible + 0.005, found  # one pick: weight < 1, only where found (0.005: rounding)
 
 
 def test_sample_checkpoint_errors(tmp_path, monkeypatch):
