@@ -158,7 +158,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
     header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'needle w':>8} {'s/sample':>9} "
               f"{'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
-    rows, T = [], model.config.chunk_size - 1
+    T = model.config.chunk_size - 1
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -198,12 +198,9 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
         dt = (time.time() - t0) / args.samples
         gpu = peak_mem_gib(device) if device.type == "cuda" else float("nan")
         hits, share = (f"{found}/{eligible}", f"{weight / eligible:.2f}") if eligible else ("-", "-")
-        row = (fmt_len(L), args.samples, correct / args.samples, hits, share, dt, gpu, peak_mem_gib(), kv / 2**30)
-        rows.append(row)
         gpu_col = f"{gpu:>8.2f}G" if gpu == gpu else f"{'-':>9}"  # no GPU: nan
-        print(f"{row[0]:>8} {row[1]:>7} {row[2]:>8.1%} {row[3]:>9} {row[4]:>8} {row[5]:>9.2f} {gpu_col} "
-              f"{row[7]:>8.2f}G {row[8]:>7.2f}G", flush=True)
-    return rows
+        print(f"{fmt_len(L):>8} {args.samples:>7} {correct / args.samples:>8.1%} {hits:>9} {share:>8} {dt:>9.2f} "
+              f"{gpu_col} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
 def check_args(args):

@@ -673,7 +673,6 @@ def test_loss_without_logits():
         torch.testing.assert_close(a, b)
 
 
-
 def test_compile_whole_model():
     """torch.compile takes the whole training step as one graph (fullgraph: a break raises) with no
     warning from the compiler, and computes what eager computes. backend="aot_eager" traces and
@@ -695,6 +694,7 @@ def test_compile_whole_model():
     torch.testing.assert_close(loss, ref)
     for a, p in zip(g_ref, model.parameters()):
         torch.testing.assert_close(p.grad, a)
+
 
 # -----------------------------------------------------------------------------
 # streaming state (§3.2): token-by-token decoding, segmented prefill, offloaded memory, generate
