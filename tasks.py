@@ -5,7 +5,8 @@ Synthetic long-context tasks, shared by training (train.py --dataset=passkey) an
   passkey   "The pass key is 71432. Remember it. 71432 is the pass key." hidden at a random
             depth in filler; asked at the end: "What is the pass key? The pass key is"
   multikey  four "The pass key of <name> is <number>." needles; asked for one of them
-  vartrack  2-hop variable tracking (RULER): "VAR X = 12345." ... "VAR Y = X." ... asked for Y
+  vartrack  2-hop variable tracking (RULER): "VAR X = 12345." ... "VAR Y = X." ... asked for Y,
+            with a second chain "VAR A = 67890." ... "VAR B = A." interleaved as a distractor
 
 Filler is the classic repeated "The grass is green. ..." or, with a Haystack, real book text.
 Everything works in token space (numpy arrays of GPT-2 ids), so a prompt has an exact length.
@@ -85,11 +86,17 @@ def needles_and_question(task, rng):
         ask = rng.randrange(len(names))
         return ([f" The pass key of {n} is {k}. Remember it." for n, k in zip(names, keys)],
                 f" What is the pass key of {names[ask]}? The pass key of {names[ask]} is", f" {keys[ask]}")
-    if task == "vartrack":
-        x, y = ("".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4)) for _ in range(2))
-        value = str(rng.randrange(10000, 100000))
-        return ([f" VAR {x} = {value}.", f" VAR {y} = {x}."],
-                f" What is the value of VAR {y}? The value of VAR {y} is", f" {value}")
+    if task == "vartrack":  # two chains, one asked: the other's number keeps "copy the number" at 50%
+        names = []
+        while len(names) < 4:  # distinct
+            name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4))
+            names += [name] if name not in names else []
+        x, y, a, b = names
+        value, other = rng.sample(range(10000, 100000), 2)
+        chains = [[f" VAR {x} = {value}.", f" VAR {y} = {x}."], [f" VAR {a} = {other}.", f" VAR {b} = {a}."]]
+        order = rng.sample([0, 0, 1, 1], 4)  # interleave the chains, each in its own order
+        needles = [chains[c].pop(0) for c in order]
+        return needles, f" What is the value of VAR {y}? The value of VAR {y} is", f" {value}"
     raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
 
 

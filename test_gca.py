@@ -1343,6 +1343,29 @@ def test_tasks(task, monkeypatch):
         tasks.make_example(task, 1000, rng, enc, min_depth=990)
 
 
+def test_vartrack_needs_two_hops(monkeypatch):
+    """vartrack holds two chains, each assigned before it is copied; the asked one's number is the
+    answer and the other's is not, so copying "the number" cannot pass."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    rng, first = random.Random(0), 0
+    for _ in range(20):
+        prompt, answer = tasks.make_example("vartrack", 400, rng, enc)
+        text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
+        sets = re.findall(r"VAR (\w+) = (\w+)\.", text)
+        values = {name: v for name, v in sets if v.isdigit()}
+        copies = {name: src for name, src in sets if not src.isdigit()}
+        asked = re.search(r"value of VAR (\w+) is$", text).group(1)
+        assert len(values) == len(copies) == 2 and len(set(values.values())) == 2
+        assert values[copies[asked]] == want  # two hops: asked -> its source -> the number
+        for name, src in copies.items():  # a variable is assigned before it is copied
+            assert text.index(f"VAR {src} = ") < text.index(f"VAR {name} = ")
+        first += [n for n, _ in sets].index(copies[asked]) == 0
+    assert 0 < first < 20  # either chain comes first
+
+
 def test_question_alignment(monkeypatch):
     """align=T: the prompt's last token (" is") opens a chunk, so the landmark before it, whose
     retrieval serves the answer, has read the whole question; and training rows keep it."""
