@@ -6,6 +6,7 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
     python sample.py --out_dir=out-passkey --passkey                       # 4K ... 1M tokens
     python sample.py --out_dir=out-passkey --passkey --lengths=64K,1M,16M --offload --samples_per_length=5
     python sample.py --out_dir=out-passkey --multikey --vartrack --haystack=data/pg19/val.bin
+    python sample.py --out_dir=out-passkey-pretrain --copying --haystack=data/pg19/val.bin  # does it copy?
 
 The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture
 flags. Prompts of any length are prefilled in segments and continued token by token with
@@ -23,10 +24,11 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig
-from prepare_pg19 import get_tokenizer
+from prepare_pg19 import GPT2_VOCAB, get_tokenizer
 from tasks import TASKS, Haystack, make_example, score
 
 
@@ -203,6 +205,35 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
               f"{gpu_col} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
+COPY_SPAN = 100  # tokens per span of the copying test (less where the window is shorter)
+
+
+@torch.no_grad()
+def copy_test(model, args, ctx, haystack=None):
+    """In-context copying (induction), which answering by a name (multi-key, 2-hop) builds on:
+    spans seen three times in a row, the mean loss on each pass. A model that copies predicts the
+    second and third pass far better than the first; passkey can be learned without it (one fixed
+    pattern: the number after "pass key is"). Each repeat lies within the self-attention window."""
+    device, cfg = next(model.parameters()).device, model.config
+    L = min(COPY_SPAN, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
+    rng, n = random.Random(f"{args.seed}-copying"), args.samples
+    spans = {"random tokens": np.array([[rng.randrange(GPT2_VOCAB) for _ in range(L)] for _ in range(n)])}
+    if haystack is not None:
+        spans["book text"] = np.stack([haystack.sample(L, rng) for _ in range(n)])
+    print(f"\ncopying: {n} spans of {L} tokens, each seen 3 times in a row; mean loss per pass "
+          f"(without a pass's first token, which follows the previous span)")
+    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8}"
+    print(header + "\n" + "-" * len(header))
+    for name, span in spans.items():
+        x = torch.from_numpy(np.tile(span, (1, 3))).to(device)  # (n, 3L)
+        with ctx:
+            logits, _ = model(x[:, :-1], x[:, 1:])  # (n, 3L-1, vocab)
+        nll = F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:], reduction="none").mean(0)  # nll[t]: token t+1
+        passes = [nll[k * L : (k + 1) * L - 1].mean().item() for k in range(3)]  # tokens kL+1 .. kL+L-1
+        print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in passes), flush=True)
+    return passes
+
+
 def check_args(args):
     """The arguments that need no file or tokenizer, checked first."""
     for name in ("segment", "samples", "num_samples", "max_new_tokens"):
@@ -251,7 +282,7 @@ def load_haystack(path, enc):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests "
-                                "(--passkey, --multikey, --vartrack).",
+                                "(--passkey, --multikey, --vartrack, --copying).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out_dir", default="out", help="folder with ckpt.pt from train.py")
     p.add_argument("--ckpt", default=None, help="path to a checkpoint file (overrides --out_dir)")
@@ -276,6 +307,8 @@ def main(argv=None):
     test.add_argument("--passkey", action="store_true", help="passkey retrieval: one 5-digit key hidden in filler")
     test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
     test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X, beside a second chain")
+    test.add_argument("--copying", action="store_true",
+                      help="in-context copying: the loss on spans seen 1, 2, 3 times (book text too with --haystack)")
     test.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens (up to 64M)")
     # dest "samples": run_task reads args.samples
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
@@ -294,7 +327,7 @@ def main(argv=None):
     # every argument is checked before the checkpoint loads, which can take minutes
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
-    prompt = None if tasks else read_prompt(args.prompt)
+    prompt = None if tasks or args.copying else read_prompt(args.prompt)
     try:
         enc = get_tokenizer(args.tokenizer_file)
     except (OSError, RuntimeError) as e:
@@ -306,7 +339,8 @@ def main(argv=None):
         except ValueError as e:
             error(e)
         check_lengths(tasks, lengths, args.samples, args.seed, enc)
-        haystack = load_haystack(args.haystack, enc) if args.haystack else None  # once, for every test
+    if (tasks or args.copying) and args.haystack:
+        haystack = load_haystack(args.haystack, enc)  # once, for every test
 
     torch.manual_seed(args.seed)
     model, ckpt = load_checkpoint(args.ckpt or args.out_dir, args.device)
@@ -316,11 +350,14 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     ctx = torch.autocast(device_type, dtype=dtype) if device_type == "cuda" and dtype != torch.float32 else nullcontext()
 
+    if args.copying:
+        copy_test(model, args, ctx, haystack)
     if tasks:
         if not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
             check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1)
         for task in tasks:
             run_task(model, enc, task, lengths, args, ctx, haystack)
+    if tasks or args.copying:
         return
 
     ids = enc.encode_ordinary(prompt) or [enc.eot_token]

@@ -1429,6 +1429,47 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     assert len(rows) == 4, out  # two lengths x two tasks
 
 
+def test_copying_passes(tmp_path, monkeypatch, capsys):
+    """--copying: a perfect induction copier scores ln(V) on pass 1 and 0 after (a pass's first
+    token, which no earlier occurrence predicts, left out); the flag runs on a checkpoint, with
+    book text too."""
+    import math
+    from types import SimpleNamespace
+
+    import sample
+
+    class Induction(torch.nn.Module):  # where the token L back is this one, predicts the one after it
+        config = SimpleNamespace(window=128, chunk_size=64)
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, idx, targets):
+            n, T = idx.shape
+            L = min(sample.COPY_SPAN, 128 * 63 // 64 - 1)
+            logits = torch.zeros(n, T, 50304)
+            logits[:, :, 50257:] = -1e9  # V = 50257 live tokens: a uniform guess costs ln(V)
+            for t in range(L, T):
+                seen = idx[:, t - L] == idx[:, t]
+                logits[seen, t, idx[seen, t - L + 1]] = 1e4
+            return logits, None
+
+    args = SimpleNamespace(seed=0, samples=2)
+    p1, p2, p3 = sample.copy_test(Induction(), args, torch.autocast("cpu", enabled=False))
+    assert abs(p1 - math.log(50257)) < 1e-3 and p2 < 1e-3 and p3 < 1e-3
+    capsys.readouterr()
+    enc = _tokenizer_or_skip(monkeypatch)
+    np.array(enc.encode_ordinary(" Call me Ishmael. Some years ago, never mind how long. " * 100),
+             np.uint16).tofile(tmp_path / "book.bin")
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=2", "--device=cpu",
+                 f"--haystack={tmp_path / 'book.bin'}"])
+    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){3})$", capsys.readouterr().out, re.M)
+    assert [r[0] for r in rows] == ["random tokens", "book text"]
+    assert all(4 < float(v) < 20 for _, vals in rows for v in vals.split())  # an untrained model: no copying
+
+
 def test_sample_show_misses(tmp_path, monkeypatch, capsys):
     """--show_misses prints one line per wrong answer, with the key asked for: as many as the
     accuracy column says were missed (a random model misses them all)."""
