@@ -306,7 +306,8 @@ def main(argv=None):
     test = p.add_argument_group("long-context tests (accuracy per length, one table per test)")
     test.add_argument("--passkey", action="store_true", help="passkey retrieval: one 5-digit key hidden in filler")
     test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
-    test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X, beside a second chain")
+    test.add_argument("--vartrack", action="store_true",
+                      help="2-hop variable tracking: VAR X = value ... VAR Y = X, beside a second chain")
     test.add_argument("--copying", action="store_true",
                       help="in-context copying: the loss on spans seen 1, 2, 3 times (book text too with --haystack)")
     test.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens (up to 64M)")
