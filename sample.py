@@ -208,14 +208,19 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
 COPY_SPAN = 100  # tokens per span of the copying test (less where the window is shorter)
 
 
+def copy_span(cfg):
+    """Tokens per span of the copying test: COPY_SPAN, or fewer, so that each repeat lies within
+    the self-attention window (the window counts landmarks: W positions hold W*(S-1)/S tokens)."""
+    return min(COPY_SPAN, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
+
+
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
     """In-context copying (induction), which answering by a name (multi-key, 2-hop) builds on:
     spans seen three times in a row, the mean loss on each pass. A model that copies predicts the
     second and third pass far better than the first; passkey can be learned without it (one fixed
-    pattern: the number after "pass key is"). Each repeat lies within the self-attention window."""
-    device, cfg = next(model.parameters()).device, model.config
-    L = min(COPY_SPAN, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
+    pattern: the number after "pass key is"). Returns {span kind: [loss of pass 1, 2, 3]}."""
+    device, L = next(model.parameters()).device, copy_span(model.config)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
     spans = {"random tokens": np.array([[rng.randrange(GPT2_VOCAB) for _ in range(L)] for _ in range(n)])}
     if haystack is not None:
@@ -224,14 +229,15 @@ def copy_test(model, args, ctx, haystack=None):
           f"(without a pass's first token, which follows the previous span)")
     header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8}"
     print(header + "\n" + "-" * len(header))
+    losses = {}
     for name, span in spans.items():
         x = torch.from_numpy(np.tile(span, (1, 3))).to(device)  # (n, 3L)
         with ctx:
             logits, _ = model(x[:, :-1], x[:, 1:])  # (n, 3L-1, vocab)
         nll = F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:], reduction="none").mean(0)  # nll[t]: token t+1
-        passes = [nll[k * L : (k + 1) * L - 1].mean().item() for k in range(3)]  # tokens kL+1 .. kL+L-1
-        print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in passes), flush=True)
-    return passes
+        losses[name] = [nll[k * L : (k + 1) * L - 1].mean().item() for k in range(3)]  # tokens kL+1 .. kL+L-1
+        print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
+    return losses
 
 
 def check_args(args):
@@ -351,14 +357,13 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     ctx = torch.autocast(device_type, dtype=dtype) if device_type == "cuda" and dtype != torch.float32 else nullcontext()
 
-    if args.copying:
-        copy_test(model, args, ctx, haystack)
-    if tasks:
-        if not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
+    if args.copying or tasks:
+        if args.copying:
+            copy_test(model, args, ctx, haystack)
+        if tasks and not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
             check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1)
         for task in tasks:
             run_task(model, enc, task, lengths, args, ctx, haystack)
-    if tasks or args.copying:
         return
 
     ids = enc.encode_ordinary(prompt) or [enc.eot_token]

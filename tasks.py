@@ -90,7 +90,8 @@ def needles_and_question(task, rng):
         names = []
         while len(names) < 4:  # distinct
             name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4))
-            names += [name] if name not in names else []
+            if name not in names:
+                names.append(name)
         x, y, a, b = names
         value, other = rng.sample(range(10000, 100000), 2)
         chains = [[f" VAR {x} = {value}.", f" VAR {y} = {x}."], [f" VAR {a} = {other}.", f" VAR {b} = {a}."]]

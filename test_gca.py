@@ -1447,7 +1447,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
 
         def forward(self, idx, targets):
             n, T = idx.shape
-            L = min(sample.COPY_SPAN, 128 * 63 // 64 - 1)
+            L = sample.copy_span(self.config)
             logits = torch.zeros(n, T, 50304)
             logits[:, :, 50257:] = -1e9  # V = 50257 live tokens: a uniform guess costs ln(V)
             for t in range(L, T):
@@ -1456,7 +1456,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
             return logits, None
 
     args = SimpleNamespace(seed=0, samples=2)
-    p1, p2, p3 = sample.copy_test(Induction(), args, torch.autocast("cpu", enabled=False))
+    (p1, p2, p3), = sample.copy_test(Induction(), args, torch.autocast("cpu", enabled=False)).values()
     assert abs(p1 - math.log(50257)) < 1e-3 and p2 < 1e-3 and p3 < 1e-3
     capsys.readouterr()
     enc = _tokenizer_or_skip(monkeypatch)
