@@ -214,28 +214,40 @@ def copy_span(cfg):
     return min(COPY_SPAN, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
 
 
+def copy_gap(cfg):
+    """Tokens between a span and its far repeat: as many as the stacked windows have positions, so
+    (landmarks taking room too) no chain of windows reaches back: only retrieval can copy."""
+    return (cfg.n_lower + cfg.n_upper) * cfg.window
+
+
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
     """In-context copying (induction), which answering by a name (multi-key, 2-hop) builds on:
-    spans seen three times in a row, the mean loss on each pass. A model that copies predicts the
-    second and third pass far better than the first; passkey can be learned without it (one fixed
-    pattern: the number after "pass key is"). Returns {span kind: [loss of pass 1, 2, 3]}."""
-    device, L = next(model.parameters()).device, copy_span(model.config)
+    spans seen three times in a row, the mean loss on each pass, and the span once more after a gap
+    no window reaches across ("far": the copy must come through retrieval and GCA). A model that
+    copies predicts the repeats far better than pass 1; passkey can be learned without it (one
+    fixed pattern: the number after "pass key is"). Returns {span kind: [pass 1, 2, 3, far]}."""
+    device, cfg = next(model.parameters()).device, model.config
+    L, G = copy_span(cfg), copy_gap(cfg)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
     spans = {"random tokens": np.array([[rng.randrange(GPT2_VOCAB) for _ in range(L)] for _ in range(n)])}
     if haystack is not None:
         spans["book text"] = np.stack([haystack.sample(L, rng) for _ in range(n)])
-    print(f"\ncopying: {n} spans of {L} tokens, each seen 3 times in a row; mean loss per pass "
-          f"(without a pass's first token, which follows the previous span)")
-    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8}"
+    gaps = (np.stack([haystack.sample(G, rng) for _ in range(n)]) if haystack is not None
+            else np.array([[rng.randrange(GPT2_VOCAB) for _ in range(G)] for _ in range(n)]))  # (n, G)
+    print(f"\ncopying: {n} spans of {L} tokens, each seen 3 times in a row, then once more after {G} tokens of "
+          f"{'book text' if haystack is not None else 'random tokens'} (far); mean loss per pass "
+          f"(without a pass's first token, which no earlier occurrence predicts)")
+    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far':>8}"
     print(header + "\n" + "-" * len(header))
     losses = {}
     for name, span in spans.items():
-        x = torch.from_numpy(np.tile(span, (1, 3))).to(device)  # (n, 3L)
+        x = torch.from_numpy(np.concatenate([span, span, span, gaps, span], axis=1)).to(device)  # (n, 4L+G)
         with ctx:
-            logits, _ = model(x[:, :-1], x[:, 1:])  # (n, 3L-1, vocab)
+            logits, _ = model(x[:, :-1], x[:, 1:])  # (n, 4L+G-1, vocab)
         nll = F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:], reduction="none").mean(0)  # nll[t]: token t+1
-        losses[name] = [nll[k * L : (k + 1) * L - 1].mean().item() for k in range(3)]  # tokens kL+1 .. kL+L-1
+        starts = [0, L, 2 * L, 3 * L + G]
+        losses[name] = [nll[s : s + L - 1].mean().item() for s in starts]  # tokens s+1 .. s+L-1
         print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
 
@@ -315,7 +327,8 @@ def main(argv=None):
     test.add_argument("--vartrack", action="store_true",
                       help="2-hop variable tracking: VAR X = value ... VAR Y = X, beside a second chain")
     test.add_argument("--copying", action="store_true",
-                      help="in-context copying: the loss on spans seen 1, 2, 3 times (book text too with --haystack)")
+                      help="in-context copying: the loss on spans seen 1, 2, 3 times, and once more past the "
+                           "windows' reach (book text too with --haystack)")
     test.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens (up to 64M)")
     # dest "samples": run_task reads args.samples
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",

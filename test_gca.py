@@ -872,6 +872,25 @@ def load_ckpt(path):
     return torch.load(os.path.join(path, "ckpt.pt"), map_location="cpu")
 
 
+def test_copy_rows(tmp_path):
+    """copy_frac: that share of training rows become a random span repeated to the end (past the
+    first pass every target is the token one span back); evaluation batches stay text, and
+    copy_frac=0 leaves every batch as it was."""
+    import random
+    import types
+    config, _ = train.parse_config(tiny_args(tmp_path, "run", "--block_size=300", "--batch_size=16"))
+    text = train.Data(types.SimpleNamespace(**config), torch.device("cpu"))
+    copy = train.Data(types.SimpleNamespace(**{**config, "copy_frac": 0.5}), torch.device("cpu"))
+    x0, _ = text.batch("train", random.Random(1), training=True)
+    x, y = copy.batch("train", random.Random(1), training=True)
+    period = [next((L for L in range(24, 101) if torch.equal(x[b, L:], x[b, :-L])), 0) for b in range(16)]
+    assert 3 <= sum(L > 0 for L in period) <= 13
+    assert all(L > 0 or torch.equal(x[b], x0[b]) for b, L in enumerate(period))
+    assert x.max() < copy.vocab and torch.equal(x[:, 1:], y[:, :-1])
+    for split in ("train", "val"):  # evaluation never copies
+        assert torch.equal(copy.batch(split, random.Random(2))[0], text.batch(split, random.Random(2))[0])
+
+
 def test_config_block_and_help(capsys):
     """Every key has a why-comment in the block; the model keys are DRTConfig's fields, with their
     defaults and comments read from model.py (their one home: train.py does not repeat them) and
@@ -1430,16 +1449,16 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
 
 
 def test_copying_passes(tmp_path, monkeypatch, capsys):
-    """--copying: a perfect induction copier scores ln(V) on pass 1 and 0 after (a pass's first
-    token, which no earlier occurrence predicts, left out); the flag runs on a checkpoint, with
-    book text too."""
+    """--copying: a perfect induction copier scores ln(V) on pass 1 and 0 after, near and far (a
+    pass's first token, which no earlier occurrence predicts, left out); the flag runs on a
+    checkpoint, with book text too."""
     import math
     from types import SimpleNamespace
 
     import sample
 
-    class Induction(torch.nn.Module):  # where the token L back is this one, predicts the one after it
-        config = SimpleNamespace(window=128, chunk_size=64)
+    class Induction(torch.nn.Module):  # where the token L (or L+G) back is this one, predicts the one after it
+        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, n_upper=2)
 
         def __init__(self):
             super().__init__()
@@ -1447,17 +1466,19 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
 
         def forward(self, idx, targets):
             n, T = idx.shape
-            L = sample.copy_span(self.config)
+            L, G = sample.copy_span(self.config), sample.copy_gap(self.config)
             logits = torch.zeros(n, T, 50304)
             logits[:, :, 50257:] = -1e9  # V = 50257 live tokens: a uniform guess costs ln(V)
-            for t in range(L, T):
-                seen = idx[:, t - L] == idx[:, t]
-                logits[seen, t, idx[seen, t - L + 1]] = 1e4
+            for back in (L + G, L):  # the nearer occurrence wins
+                for t in range(back, T):
+                    seen = idx[:, t - back] == idx[:, t]
+                    logits[seen, t, idx[seen, t - back + 1]] = 1e4 * (1 + (back == L))
             return logits, None
 
     args = SimpleNamespace(seed=0, samples=2)
-    (p1, p2, p3), = sample.copy_test(Induction(), args, torch.autocast("cpu", enabled=False)).values()
-    assert abs(p1 - math.log(50257)) < 1e-3 and p2 < 1e-3 and p3 < 1e-3
+    (p1, p2, p3, far), = sample.copy_test(Induction(), args, torch.autocast("cpu", enabled=False)).values()
+    assert abs(p1 - math.log(50257)) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and far < 1e-3
+    assert sample.copy_gap(Induction.config) == 384
     capsys.readouterr()
     enc = _tokenizer_or_skip(monkeypatch)
     np.array(enc.encode_ordinary(" Call me Ishmael. Some years ago, never mind how long. " * 100),
@@ -1465,7 +1486,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
     sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={tmp_path / 'book.bin'}"])
-    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){3})$", capsys.readouterr().out, re.M)
+    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){4})$", capsys.readouterr().out, re.M)
     assert [r[0] for r in rows] == ["random tokens", "book text"]
     assert all(4 < float(v) < 20 for _, vals in rows for v in vals.split())  # an untrained model: no copying
 
