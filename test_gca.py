@@ -874,8 +874,8 @@ def load_ckpt(path):
 
 def test_copy_rows(tmp_path):
     """copy_frac: that share of training rows become a random span repeated to the end (past the
-    first pass every target is the token one span back); evaluation batches stay text, and
-    copy_frac=0 leaves every batch as it was."""
+    first pass every target is the token one span back); the other rows are the ones copy_frac=0
+    draws, and evaluation batches stay text."""
     import random
     import types
     config, _ = train.parse_config(tiny_args(tmp_path, "run", "--block_size=300", "--batch_size=16"))
