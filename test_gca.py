@@ -934,7 +934,9 @@ def test_overrides():
     (["--batch_size"], r"write overrides as --key=value"),
     (["--block_size=0"], r"block_size=0 must be a positive int"),
     (["config/nothing.py"], r"config file config/nothing.py not found"),
-], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file"])
+    (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac=0.5 mixes copy rows into a text dataset; --dataset=passkey is"),
+], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file",
+        "copy-rows-in-tasks"])
 def test_config_errors(argv, message):
     with pytest.raises(train.ConfigError, match=message):
         train.main(argv)

@@ -190,6 +190,8 @@ def check_config(config):
         (c.tokens_per_step < 0 or c.grad_clip < 0, "tokens_per_step and grad_clip must be >= 0"),
         (not 0 <= c.task_haystack_frac <= 1, f"task_haystack_frac={c.task_haystack_frac} must lie in [0, 1]"),
         (not 0 <= c.copy_frac <= 1, f"copy_frac={c.copy_frac} must lie in [0, 1]"),
+        (c.copy_frac and all(t in tasks.TASKS for t in c.dataset.split(",")),
+         f"copy_frac={c.copy_frac} mixes copy rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
         (c.dtype not in ("auto", "bfloat16", "float32"),
          f"dtype={c.dtype!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)"),
