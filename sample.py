@@ -230,11 +230,17 @@ def copy_test(model, args, ctx, haystack=None):
     device, cfg = next(model.parameters()).device, model.config
     L, G = copy_span(cfg), copy_gap(cfg)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
-    spans = {"random tokens": np.array([[rng.randrange(GPT2_VOCAB) for _ in range(L)] for _ in range(n)])}
+
+    def random_rows(k):  # (n, k) uniform over GPT-2's ids
+        return np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])
+
+    def book_rows(k):  # (n, k) spans of the haystack's books
+        return np.stack([haystack.sample(k, rng) for _ in range(n)])
+
+    spans = {"random tokens": random_rows(L)}
     if haystack is not None:
-        spans["book text"] = np.stack([haystack.sample(L, rng) for _ in range(n)])
-    gaps = (np.stack([haystack.sample(G, rng) for _ in range(n)]) if haystack is not None
-            else np.array([[rng.randrange(GPT2_VOCAB) for _ in range(G)] for _ in range(n)]))  # (n, G)
+        spans["book text"] = book_rows(L)
+    gaps = book_rows(G) if haystack is not None else random_rows(G)  # (n, G)
     print(f"\ncopying: {n} spans of {L} tokens, each seen 3 times in a row, then once more after {G} tokens of "
           f"{'book text' if haystack is not None else 'random tokens'} (far); mean loss per pass "
           f"(without a pass's first token, which no earlier occurrence predicts)")

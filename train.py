@@ -190,7 +190,7 @@ def check_config(config):
         (c.tokens_per_step < 0 or c.grad_clip < 0, "tokens_per_step and grad_clip must be >= 0"),
         (not 0 <= c.task_haystack_frac <= 1, f"task_haystack_frac={c.task_haystack_frac} must lie in [0, 1]"),
         (not 0 <= c.copy_frac <= 1, f"copy_frac={c.copy_frac} must lie in [0, 1]"),
-        (c.copy_frac and all(t in tasks.TASKS for t in c.dataset.split(",")),
+        (c.copy_frac and is_tasks(c.dataset),
          f"copy_frac={c.copy_frac} mixes copy rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
         (c.dtype not in ("auto", "bfloat16", "float32"),
@@ -350,13 +350,18 @@ def check_out_dir(out_dir):
         raise ConfigError(f"out_dir {out_dir} is not writable ({e}): pass --out_dir=<writable folder>") from None
 
 
+def is_tasks(dataset):
+    """Whether --dataset names synthetic tasks (tasks.py) rather than a prepared text dataset."""
+    return all(t in tasks.TASKS for t in dataset.split(","))
+
+
 class Data:
     """The run's batches, of a prepared dataset (data_dir/train.bin, val.bin) or of synthetic tasks
     (a comma list: one drawn per prompt). A batch is a function of (split, rng) alone."""
 
     def __init__(self, c, device):
         self.c, self.device, self.tasks = c, device, c.dataset.split(",")
-        if all(t in tasks.TASKS for t in self.tasks):
+        if is_tasks(c.dataset):
             self.enc, self.vocab = get_tokenizer(), GPT2_VOCAB  # the tasks' text is GPT-2 tokens
             self.align = c.chunk_size - 1 if c.task_align else None
             try:
