@@ -874,17 +874,22 @@ def load_ckpt(path):
 
 def test_copy_rows(tmp_path):
     """copy_frac: that share of training rows become a random span repeated to the end (past the
-    first pass every target is the token one span back); the other rows are the ones copy_frac=0
-    draws, and evaluation batches stay text."""
+    first pass every target is the token one span back), near (24-100 tokens) or past the windows'
+    reach (only retrieval can copy those); the other rows are the ones copy_frac=0 draws, and
+    evaluation batches stay text."""
     import random
     import types
-    config, _ = train.parse_config(tiny_args(tmp_path, "run", "--block_size=300", "--batch_size=16"))
+    config, _ = train.parse_config(tiny_args(tmp_path, "run", "--block_size=300", "--batch_size=32",
+                                                   "--window=64"))
+    reach = (config["n_lower"] + sum(config["groups"])) * config["window"]  # 2 layers x 64 positions: far > 100
     text = train.Data(types.SimpleNamespace(**config), torch.device("cpu"))
     copy = train.Data(types.SimpleNamespace(**{**config, "copy_frac": 0.5}), torch.device("cpu"))
     x0, _ = text.batch("train", random.Random(1), training=True)
     x, y = copy.batch("train", random.Random(1), training=True)
-    period = [next((L for L in range(24, 101) if torch.equal(x[b, L:], x[b, :-L])), 0) for b in range(16)]
-    assert 3 <= sum(L > 0 for L in period) <= 13
+    period = [next((L for L in range(1, 200) if torch.equal(x[b, L:], x[b, :-L])), 0) for b in range(32)]
+    near, far = [L for L in period if 24 <= L <= 100], [L for L in period if reach < L < 300 - 100]
+    assert len(near) + len(far) == sum(L > 0 for L in period) and 8 <= len(near) + len(far) <= 24
+    assert len(near) >= 3 and len(far) >= 3
     assert all(L > 0 or torch.equal(x[b], x0[b]) for b, L in enumerate(period))
     assert x.max() < copy.vocab and torch.equal(x[:, 1:], y[:, :-1])
     for split in ("train", "val"):  # evaluation never copies
@@ -1127,7 +1132,7 @@ def test_passkey_task(tmp_path, monkeypatch):
 
 
 def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
-    """The passkey recipe's plumbing at toy size: config/passkey_pretrain.py on text, then
+    """The passkey recipe's plumbing at toy size: config/passkey_pretrain.py on text and copy rows, then
     config/passkey_finetune.py from it (a task mix, a real-text haystack, aligned questions),
     then sample.py's test table on the result."""
     import sample
@@ -1138,12 +1143,12 @@ def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     pre, ft = tmp_path / "pre", tmp_path / "ft"
     train.main([os.path.join(HERE, "config/passkey_pretrain.py"), *small, f"--data_dir={data}", f"--out_dir={pre}"])
     hist = train.main([os.path.join(HERE, "config/passkey_finetune.py"), *small[2:], f"--init_from={pre}",
-                       f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40",
-                       "--dataset=passkey,multikey,vartrack"])
+                       f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40"])
     assert [it for it, _ in hist] == [1, 2]
     a, b = load_ckpt(pre), load_ckpt(ft)
     assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1
-    assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey,vartrack"
+    assert a["config"]["copy_frac"] == 0.5  # stage 1 learns copying on rows of random tokens
+    assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey,vartrack"  # one model, 3 tasks
     capsys.readouterr()
     sample.main([f"--out_dir={ft}", "--passkey", "--lengths=500,2K", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={data}/val.bin"])

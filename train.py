@@ -71,7 +71,7 @@ stop_iter = 0  # stop and save after this step without changing the schedule (a 
 # data
 dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py), or a comma list of them (one drawn per prompt)
 data_dir = ""  # folder of the prepared dataset; "" = data/<dataset>
-copy_frac = 0.0  # text datasets: the fraction of training rows that are a random span repeated to the row's end: in-context copying, which answering by a name builds on and a small pre-training on few books does not learn (0.5 makes it form; sample.py --copying checks it); the logged training loss then includes these rows, evaluation never does
+copy_frac = 0.0  # text datasets: the fraction of training rows that are a random span repeated to the row's end, half within the window, half past its reach (copy_row): copying in context and through retrieval, which answering by a name builds on and a pre-training on few books does not learn (sample.py --copying checks it); the logged training loss then includes these rows, evaluation never does
 task_min_depth = 0  # synthetic tasks: needles no earlier than this token, so the first chunks (told apart by having no past) never hold one and "retrieve the oldest chunks" cannot pass for retrieval
 task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
 task_haystack = ""  # synthetic tasks: real text to hide the needles in, a .bin of prepare_pg19.py (e.g. data/pg19/train.bin); "" = the repeated sentences only
@@ -384,6 +384,7 @@ class Data:
                               f"(or --dataset={'|'.join(tasks.TASKS)})")
         with open(meta_path) as f:
             self.vocab, self.splits = json.load(f)["vocab_size"], {}
+        self.reach = (c.n_lower + sum(c.groups)) * c.window  # positions the stacked windows see back: copy_row's far rows lie past it
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
             if not os.path.isfile(path):
@@ -408,7 +409,8 @@ class Data:
             rows = [np.asarray(data[s : s + c.block_size + 1], dtype=np.int64)
                     for s in (rng.randrange(n - c.block_size) for _ in range(c.batch_size))]
             if training and c.copy_frac:
-                rows = [copy_row(len(r), rng, self.vocab) if rng.random() < c.copy_frac else r for r in rows]
+                rows = [copy_row(len(r), rng, self.vocab, self.reach) if rng.random() < c.copy_frac else r
+                        for r in rows]
             xy = torch.from_numpy(np.stack(rows))  # (B, T+1)
             x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
         if self.device.type == "cuda":
@@ -416,15 +418,17 @@ class Data:
         return x.to(self.device), y.to(self.device)
 
 
-def copy_row(n, rng, vocab):
-    """A training row of n tokens that teaches in-context copying (induction): a span of 24-100
-    random tokens repeated from start to end, so from the second pass on every token is the one
-    that followed its last occurrence. Random tokens, not text: nothing but copying predicts them.
-    Measured on a small stage 1: half the rows like this and induction forms; two copies of a
-    span inside text, or spans of text tokens, and it does not."""
-    L = rng.randrange(24, 101)
-    span = np.array([rng.randrange(vocab) for _ in range(L)], dtype=np.int64)
-    return np.resize(span, n)
+def copy_row(n, rng, vocab, reach):
+    """A training row of n tokens that teaches copying: a span of random tokens (nothing else
+    predicts them) repeated from the row's start to its end, as often as fits. Half the rows are
+    near: 24-100 tokens, copied within the window (induction); half far: more than `reach` tokens,
+    so each repeat lies further back than the stacked windows see and only retrieval (top-k
+    chunks, then GCA) can copy it. Measured on a small stage 1: near rows alone make a model copy
+    in its window, and its multi-key fine-tune fails (<= 15%); with far rows too it reaches 100%
+    at 1M tokens. Copies placed inside text rows, or spans of text tokens, taught nothing."""
+    far = rng.random() < 0.5 and n - 108 > reach + 8  # room for a far span and a repeat of >= 108 tokens
+    L = rng.randrange(reach + 8, n - 108) if far else rng.randrange(24, 101)
+    return np.resize(np.array([rng.randrange(vocab) for _ in range(L)], dtype=np.int64), n)
 
 
 def step_rng(*parts):

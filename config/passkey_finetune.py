@@ -1,9 +1,10 @@
-# Stage 2 of the passkey recipe: fine-tune the PG19 model of config/passkey_pretrain.py on the
-# synthetic passkey task (tasks.py), then test it far beyond its 1,008-token training length.
+# Stage 2 of the long-context recipe: fine-tune the model of config/passkey_pretrain.py on the
+# synthetic tasks (tasks.py: passkey, multi-key, 2-hop, one drawn per prompt), then test it far
+# beyond its 1,008-token training length.
 #   python train.py config/passkey_pretrain.py
 #   python train.py config/passkey_finetune.py
-#   python sample.py --out_dir=out-passkey --passkey --lengths=1K,4K,32K,256K,1M --offload --haystack=data/pg19/test.bin
-# Half the prompts hide the key in PG19 training books, half in the repeated "The grass is
+#   python sample.py --out_dir=out-passkey --passkey --multikey --vartrack --lengths=1K,4K,32K,256K,1M --offload --haystack=data/pg19/test.bin
+# Half the prompts hide the needles in PG19 training books, half in the repeated "The grass is
 # green." filler: against the filler alone the retriever learns to find the one chunk that is not
 # filler, and finds nothing among real sentences. The loss is on the answer alone: with the loss
 # on every token, the books' language modelling drowns the answer's signal. The question is
@@ -11,7 +12,7 @@
 # stay out of the first 256 tokens, whose chunks are told apart by having no past.
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
-dataset = "passkey"  # a comma list (e.g. "passkey,multikey") draws one task per prompt
+dataset = "passkey,multikey,vartrack"  # a comma list (e.g. "passkey,multikey") draws one task per prompt
 task_haystack = "data/pg19/train.bin"
 task_haystack_frac = 0.5
 task_align = True
@@ -25,7 +26,7 @@ block_size = 1008
 batch_size = 64
 tokens_per_step = 0
 
-learning_rate = 2e-3
-min_lr = 2e-4
+learning_rate = 5e-4
+min_lr = 1e-4
 warmup_frac = 0.05
-max_iters = 4000
+max_iters = 8000
