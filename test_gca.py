@@ -1260,6 +1260,29 @@ def test_ctrl_c_saves_and_resumes(tmp_path):
     assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved" and not os.path.exists(tmp_path / "run2" / "ckpt.pt")
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ctrl_c_after_a_library_took_sigint(tmp_path):
+    """A handler installed during the run over ours (on the GPU: LLVM's, at Triton's first compile; while it
+    runs SIGINT has its default action) is replaced at the next step boundary: Ctrl-C still saves and says so,
+    instead of killing the run silently."""
+    steal = tmp_path / "steal.py"  # a config file (Python): at the first forward, SIGINT gets its default action
+    steal.write_text("import signal as _signal\nimport model as _model\n_forward = _model.DRT.forward\n"
+                     "def _first(self, *a, **k):\n    _model.DRT.forward = _forward\n"
+                     "    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)\n    return _forward(self, *a, **k)\n"
+                     "_model.DRT.forward = _first\n")
+    proc = start_run([sys.executable, "train.py", str(steal),
+                      *tiny_args(tmp_path, "run", "--max_iters=100000", "--eval_interval=100000")])
+    try:
+        read_until(proc.stdout, r"iter 3/")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode == 130, (proc.returncode, err)  # -2: killed by SIGINT, nothing printed or saved
+    m = re.search(r"^train.py: interrupted: saved .* at step (\d+); continue with: ", err, re.M)
+    assert m and load_ckpt(tmp_path / "run")["iter_num"] == int(m[1]) >= 3, err
+
+
 def torchrun_tiny(tmp_path, run, *extra):
     """train.py under torchrun, 2 CPU processes (gloo), batch 1 each, running long enough to be
     interrupted; each rank writes its pid to tmp_path/pid<rank> from a config file (config files are Python)."""

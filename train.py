@@ -261,6 +261,15 @@ class Stop:
                 return
             threading.Thread(target=self.watchdog, args=(r, rank, out_dir), daemon=True).start()
 
+    def arm(self):
+        """Put note back in front of SIGINT and SIGTERM, at every step boundary. Triton's first compile in this
+        process (the GPU kernels compile at their first call, after catch) has LLVM install its handlers over
+        ours. LLVM's passes the signal on, but with SA_RESETHAND: while it runs a signal kills, so the second of
+        two quick SIGINTs (timeout -s INT sends the process one and its group one) ended runs with exit 130 and
+        nothing printed or saved. LLVM installs them once, so only the step of that compile is exposed."""
+        for s in self.old:
+            signal.signal(s, self.note)
+
     def note(self, signum, frame):
         # a second Ctrl-C stops at once; within 1 s it is the first one again (sent by the terminal and by torchrun)
         if signum == signal.SIGINT and self.signum and time.time() - self.at > 1:
@@ -538,6 +547,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
     model.train()
     t_last, it_last = time.time(), iter_num
     while True:
+        STOP.arm()  # a step boundary: our handler, whatever a compile during the last step installed
         if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
             t_eval = time.time()
             losses = estimate_loss(eval_model, data, c, autocast)
