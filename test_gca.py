@@ -1226,19 +1226,26 @@ def read_until(stream, pattern):
     return "".join(lines)
 
 
+def interrupt_after(cmd, pattern):
+    """Run cmd, send it one Ctrl-C once its stdout shows pattern -> (exit status, stdout, stderr)."""
+    proc = start_run(cmd)
+    try:
+        read_until(proc.stdout, pattern)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    return proc.returncode, out, err
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
 def test_ctrl_c_saves_and_resumes(tmp_path):
     """Ctrl-C: the run stops at the next step boundary, saves, exits 130 and prints the command that
     continues it, which does. A second Ctrl-C, a second or more later, stops at once."""
     run = tmp_path / "run"
-    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run", "--max_iters=100000", "--eval_interval=100000")])
-    try:
-        read_until(proc.stdout, r"iter 1/")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        end_run(proc)
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    rc, out, err = interrupt_after([sys.executable, "train.py", *tiny_args(tmp_path, "run", "--max_iters=100000",
+                                                                            "--eval_interval=100000")], r"iter 1/")
+    assert rc == 130 and "Traceback" not in err, err
     m = re.search(r"^train.py: interrupted: saved (.*) at step (\d+); continue with: (python train.py .* --init_from=resume)$",
                   err, re.M)
     assert m and m[1] == str(run / "ckpt.pt"), err
@@ -1270,15 +1277,9 @@ def test_ctrl_c_after_a_library_took_sigint(tmp_path):
                      "def _first(self, *a, **k):\n    _model.DRT.forward = _forward\n"
                      "    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)\n    return _forward(self, *a, **k)\n"
                      "_model.DRT.forward = _first\n")
-    proc = start_run([sys.executable, "train.py", str(steal),
-                      *tiny_args(tmp_path, "run", "--max_iters=100000", "--eval_interval=100000")])
-    try:
-        read_until(proc.stdout, r"iter 3/")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        end_run(proc)
-    assert proc.returncode == 130, (proc.returncode, err)  # -2: killed by SIGINT, nothing printed or saved
+    rc, out, err = interrupt_after([sys.executable, "train.py", str(steal),
+                                    *tiny_args(tmp_path, "run", "--max_iters=100000", "--eval_interval=100000")], r"iter 3/")
+    assert rc == 130, (rc, err)  # -2: killed by SIGINT, nothing printed or saved
     m = re.search(r"^train.py: interrupted: saved .* at step (\d+); continue with: ", err, re.M)
     assert m and load_ckpt(tmp_path / "run")["iter_num"] == int(m[1]) >= 3, err
 
