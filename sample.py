@@ -214,21 +214,24 @@ def copy_span(cfg):
     return min(COPY_SPAN, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
 
 
-def copy_gap(cfg):
-    """Tokens between a span and its far repeat: as many as the stacked windows have positions, so
-    (landmarks taking room too) no chain of windows reaches back: only retrieval can copy."""
-    return (cfg.n_lower + cfg.n_upper) * cfg.window
+def copy_far_span(cfg):
+    """Tokens in a far span of the copying test: as many as the stacked windows have positions,
+    plus 8, so that (landmarks taking room too) no chain of windows reaches from a token back to
+    its earlier occurrence: only retrieval can copy it. The far copy rows of train.py's stage 1
+    (copy_row) are spans of this kind."""
+    return (cfg.n_lower + cfg.n_upper) * cfg.window + 8
 
 
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
-    """In-context copying (induction), which answering by a name (multi-key, 2-hop) builds on:
-    spans seen three times in a row, the mean loss on each pass, and the span once more after a gap
-    no window reaches across ("far": the copy must come through retrieval and GCA). A model that
-    copies predicts the repeats far better than pass 1; passkey can be learned without it (one
-    fixed pattern: the number after "pass key is"). Returns {span kind: [pass 1, 2, 3, far]}."""
+    """In-context copying (induction), which answering by a name (multi-key, 2-hop) builds on.
+    Near: spans seen three times in a row, within the window; the mean loss on each pass. Far: a
+    span longer than the stacked windows' reach, seen twice; the loss on its second pass, whose
+    copy must come through retrieval and GCA. A model that copies predicts the repeats far better
+    than pass 1; passkey can be learned without it (one fixed pattern: the number after "pass key
+    is"). Returns {span kind: [pass 1, 2, 3, far]}."""
     device, cfg = next(model.parameters()).device, model.config
-    L, G = copy_span(cfg), copy_gap(cfg)
+    L, L_far = copy_span(cfg), copy_far_span(cfg)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
 
     def random_rows(k):  # (n, k) uniform over GPT-2's ids
@@ -237,23 +240,24 @@ def copy_test(model, args, ctx, haystack=None):
     def book_rows(k):  # (n, k) spans of the haystack's books
         return np.stack([haystack.sample(k, rng) for _ in range(n)])
 
-    spans = {"random tokens": random_rows(L)}
-    if haystack is not None:
-        spans["book text"] = book_rows(L)
-    gaps = book_rows(G) if haystack is not None else random_rows(G)  # (n, G)
-    print(f"\ncopying: {n} spans of {L} tokens, each seen 3 times in a row, then once more after {G} tokens of "
-          f"{'book text' if haystack is not None else 'random tokens'} (far); mean loss per pass "
-          f"(without a pass's first token, which no earlier occurrence predicts)")
+    kinds = {"random tokens": random_rows} | ({"book text": book_rows} if haystack is not None else {})
+    print(f"\ncopying: {n} spans of {L} tokens, each seen 3 times in a row (pass 1-3), and {n} spans of {L_far} "
+          f"tokens seen twice (far: past the windows' reach); mean loss per pass (without a pass's first "
+          f"token, which no earlier occurrence predicts)")
     header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far':>8}"
     print(header + "\n" + "-" * len(header))
-    losses = {}
-    for name, span in spans.items():
-        x = torch.from_numpy(np.concatenate([span, span, span, gaps, span], axis=1)).to(device)  # (n, 4L+G)
+
+    def pass_losses(span, passes, starts):  # span (n, k) repeated `passes` times -> mean loss after each start
+        x = torch.from_numpy(np.tile(span, passes)).to(device)  # (n, passes * k)
         with ctx:
-            logits, _ = model(x[:, :-1], x[:, 1:])  # (n, 4L+G-1, vocab)
+            logits, _ = model(x[:, :-1], x[:, 1:])  # (n, passes * k - 1, vocab)
         nll = F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:], reduction="none").mean(0)  # nll[t]: token t+1
-        starts = [0, L, 2 * L, 3 * L + G]
-        losses[name] = [nll[s : s + L - 1].mean().item() for s in starts]  # tokens s+1 .. s+L-1
+        k = span.shape[1]
+        return [nll[s : s + k - 1].mean().item() for s in starts]  # tokens s+1 .. s+k-1
+
+    losses = {}
+    for name, rows in kinds.items():
+        losses[name] = pass_losses(rows(L), 3, [0, L, 2 * L]) + pass_losses(rows(L_far), 2, [L_far])
         print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
 
@@ -333,8 +337,8 @@ def main(argv=None):
     test.add_argument("--vartrack", action="store_true",
                       help="2-hop variable tracking: VAR X = value ... VAR Y = X, beside a second chain")
     test.add_argument("--copying", action="store_true",
-                      help="in-context copying: the loss on spans seen 1, 2, 3 times, and once more past the "
-                           "windows' reach (book text too with --haystack)")
+                      help="in-context copying: the loss on spans seen 1, 2, 3 times in the window, and on "
+                           "the repeat of a span longer than the windows' reach (book text too with --haystack)")
     test.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens (up to 64M)")
     # dest "samples": run_task reads args.samples
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",

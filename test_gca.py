@@ -1148,7 +1148,7 @@ def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     a, b = load_ckpt(pre), load_ckpt(ft)
     assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1
     assert a["config"]["copy_frac"] == 0.5  # stage 1 learns copying on rows of random tokens
-    assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey,vartrack"  # one model, 3 tasks
+    assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey"  # one model, 2 tasks
     capsys.readouterr()
     sample.main([f"--out_dir={ft}", "--passkey", "--lengths=500,2K", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={data}/val.bin"])
@@ -1481,35 +1481,38 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
 
 def test_copying_passes(tmp_path, monkeypatch, capsys):
     """--copying: a perfect induction copier scores ln(V) on pass 1 and 0 after, near and far (a
-    pass's first token, which no earlier occurrence predicts, left out); the flag runs on a
-    checkpoint, with book text too."""
+    pass's first token, which no earlier occurrence predicts, left out); one that copies only
+    within its reach scores ln(V) far; the flag runs on a checkpoint, with book text too."""
     import math
     from types import SimpleNamespace
 
     import sample
 
-    class Induction(torch.nn.Module):  # where the token L (or L+G) back is this one, predicts the one after it
+    class Induction(torch.nn.Module):  # copies from L and from L_far back, where those are within its reach
         config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, n_upper=2)
 
-        def __init__(self):
+        def __init__(self, reach):
             super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.w, self.reach = torch.nn.Parameter(torch.zeros(1)), reach
 
         def forward(self, idx, targets):
             n, T = idx.shape
-            L, G = sample.copy_span(self.config), sample.copy_gap(self.config)
             logits = torch.zeros(n, T, 50304)
             logits[:, :, 50257:] = -1e9  # V = 50257 live tokens: a uniform guess costs ln(V)
-            for back in (L + G, L):  # the nearer occurrence wins
-                for t in range(back, T):
-                    seen = idx[:, t - back] == idx[:, t]
-                    logits[seen, t, idx[seen, t - back + 1]] = 1e4 * (1 + (back == L))
+            L, L_far = sample.copy_span(self.config), sample.copy_far_span(self.config)
+            for back in (L, L_far):  # L_far back wins a (rare) tie
+                if back <= self.reach:
+                    for t in range(back, T):
+                        seen = idx[:, t - back] == idx[:, t]
+                        logits[seen, t, idx[seen, t - back + 1]] = 1e4 * (1 + (back == L_far))
             return logits, None
 
-    args = SimpleNamespace(seed=0, samples=2)
-    (p1, p2, p3, far), = sample.copy_test(Induction(), args, torch.autocast("cpu", enabled=False)).values()
-    assert abs(p1 - math.log(50257)) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and far < 1e-3
-    assert sample.copy_gap(Induction.config) == 384
+    args, ctx, lnV = SimpleNamespace(seed=0, samples=2), torch.autocast("cpu", enabled=False), math.log(50257)
+    assert sample.copy_far_span(Induction.config) == 392  # 3 layers x 128 positions + 8
+    (p1, p2, p3, far), = sample.copy_test(Induction(reach=10**6), args, ctx).values()
+    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and far < 1e-3
+    (p1, p2, p3, far), = sample.copy_test(Induction(reach=384), args, ctx).values()  # the windows' reach only
+    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and abs(far - lnV) < 1e-3
     capsys.readouterr()
     enc = _tokenizer_or_skip(monkeypatch)
     np.array(enc.encode_ordinary(" Call me Ishmael. Some years ago, never mind how long. " * 100),

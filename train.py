@@ -71,7 +71,7 @@ stop_iter = 0  # stop and save after this step without changing the schedule (a 
 # data
 dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py), or a comma list of them (one drawn per prompt)
 data_dir = ""  # folder of the prepared dataset; "" = data/<dataset>
-copy_frac = 0.0  # text datasets: the fraction of training rows that are a random span repeated to the row's end, half within the window, half past its reach (copy_row): copying in context and through retrieval, which answering by a name builds on and a pre-training on few books does not learn (sample.py --copying checks it); the logged training loss then includes these rows, evaluation never does
+copy_frac = 0.0  # text datasets: the fraction of training rows that are a random span repeated to the row's end, half within the window, half past its reach (copy_row): copying, which answering by a name builds on and a pre-training on few books does not learn (sample.py --copying measures it); the logged training loss then includes these rows, evaluation never does
 task_min_depth = 0  # synthetic tasks: needles no earlier than this token, so the first chunks (told apart by having no past) never hold one and "retrieve the oldest chunks" cannot pass for retrieval
 task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
 task_haystack = ""  # synthetic tasks: real text to hide the needles in, a .bin of prepare_pg19.py (e.g. data/pg19/train.bin); "" = the repeated sentences only

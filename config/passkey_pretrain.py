@@ -1,9 +1,9 @@
 # Stage 1 of the long-context recipe (the paper's Appendix D: NIAH models are fine-tuned from PG19
 # checkpoints): a small DRT learns language on PG19, and copying from rows of random tokens.
 #   python train.py config/passkey_pretrain.py        # then config/passkey_finetune.py
-# Answering by a name (multi-key, 2-hop) needs copying through retrieval, which 116M tokens of
-# 24 books do not teach: half the rows are a random span repeated to the row's end, within the
-# window or past its reach (train.py copy_row); without them multi-key stays at <= 30%.
+# Answering by a name (multi-key) builds on copying, which 116M tokens of 24 books do not teach:
+# half the rows are a random span repeated to the row's end, within the window or past its reach
+# (train.py copy_row). Without the spans past the reach, the multi-key fine-tune stays at <= 30%.
 # d=256, 2 lower + 2 upper layers, a 1-layer chunk encoder, top-4 retrieval. Prompts of 1,008
 # tokens (16 chunks) are twice the reach of the stacked windows (4 layers x 128 positions):
 # trained on prompts the windows cover, retrieval learns a position shortcut and fails at
