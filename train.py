@@ -485,15 +485,10 @@ def estimate_loss(model, data, c, autocast):
     return out
 
 
-def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
-    """The run main set up: ckpt is the checkpoint to resume (or None), again the command that continues.
-    Returns the logged [(iteration, mean train loss since the previous line)]."""
-    master, cuda = rank == 0, device.type == "cuda"
-    dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    if cuda:
-        torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
-    per_micro = c.batch_size * c.block_size * world_size  # tokens per step = that x accumulation: it must divide
+def step_plan(c, world_size):
+    """-> (tokens_per_step, grad_accum): micro-batches of batch_size x block_size on every rank,
+    accumulated to tokens_per_step (0: one micro-batch per rank)."""
+    per_micro = c.batch_size * c.block_size * world_size
     tokens_per_step = c.tokens_per_step or per_micro
     grad_accum = tokens_per_step // per_micro
     if grad_accum < 1 or tokens_per_step % per_micro:
@@ -501,15 +496,14 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
         raise ConfigError(f"tokens_per_step={tokens_per_step:,} is not a multiple of batch_size*block_size*GPUs = "
                           f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use e.g. {options} "
                           f"(or 0 for no accumulation), or change batch_size")
-    model_args, ckpt, finetune = model_config(c, explicit, ckpt)
-    data = Data(c, device)
-    if not data.vocab <= c.landmark_id:
-        raise ConfigError(f"the data's token ids reach {data.vocab - 1}, but landmark_id={c.landmark_id} "
-                          f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
-    if master:
-        check_out_dir(c.out_dir)
+    return tokens_per_step, grad_accum
 
-    # raw_model is what the checkpoint holds (never compiled, never wrapped)
+
+def build(c, model_args, ckpt, finetune, device, ddp):
+    """The model and optimizer, loaded from ckpt if given -> (raw_model, eval_model, model, optimizer,
+    iter_num, best_val_loss). raw_model is what a checkpoint holds (never compiled, never wrapped);
+    eval_model is compiled on CUDA; model is what trains (eval_model in DDP). Evaluation runs on
+    rank 0 alone, so never through DDP."""
     torch.manual_seed(c.seed)  # the same initial weights on every rank
     raw_model = DRT(DRTConfig(**model_args)).to(device)
     optimizer = raw_model.configure_optimizers(c.weight_decay, c.learning_rate, c.betas, device.type)
@@ -521,21 +515,97 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
             iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         ckpt.clear()  # free it (main holds it too)
     eval_model = torch.compile(raw_model) if c.compile and device.type == "cuda" else raw_model
-    # evaluation runs on rank 0 alone, so never through DDP
-    model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
+    model = DDP(eval_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else eval_model
+    return raw_model, eval_model, model, optimizer, iter_num, best_val_loss
 
-    flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)
+
+def train_step(model, optimizer, data, c, autocast, iter_num, rank, grad_accum, ddp):
+    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss on this rank (a
+    tensor: no host sync). Batches and Gumbel noise are functions of (seed, iter_num, global
+    micro-batch), so any number of GPUs, and a resumed run, take the same steps."""
+    lr = get_lr(iter_num, c)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    t_step, loss_sum = time.time(), 0
+    for micro in range(grad_accum):
+        if micro:
+            progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
+        g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
+        x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
+        torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
+        with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
+            with autocast:
+                _, loss = model(x, y, return_logits=False)
+            (loss / grad_accum).backward()
+        loss_sum = loss_sum + loss.detach().float() / grad_accum
+    if c.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum
+
+
+def gather_loss(loss_sum, ddp, device):
+    """-> (the summed loss of all ranks, the signal every rank must stop at, or 0). Under DDP both
+    travel on one all-reduce, which the log line needs anyway: a flag of its own would sync every
+    step; if any rank was sent Ctrl-C or SIGTERM, all stop at this step."""
+    if not ddp:
+        return loss_sum.item(), 0
+    sent = [float(STOP.signum == s) for s in (signal.SIGINT, signal.SIGTERM)]
+    both = torch.cat([loss_sum.view(1), torch.tensor(sent, device=device)])
+    dist.all_reduce(both)  # SUM (gloo has no AVG)
+    total, n_int, n_term = both.tolist()
+    return total, signal.SIGTERM if n_term else signal.SIGINT if n_int else 0
+
+
+def stop_message(stop, iter_num, start, resumed, c, again):
+    """What a run stopped by a signal at step boundary iter_num says."""
+    said = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
+    if iter_num > start:
+        return f"{said}: saved {os.path.join(c.out_dir, 'ckpt.pt')} at step {iter_num}; continue with: {again}"
+    if resumed:
+        return f"{said} before step {start + 1}: nothing new to save; continue with: {again}"
+    return f"{said} before the first step: nothing saved"
+
+
+def announce(c, raw_model, model_args, world_size, grad_accum, tokens_per_step, device, dtype, how):
+    """The run's first line, and a warning where a CPU would take minutes per step."""
+    flops_per_token = raw_model.flops_per_token()  # matmul FLOPs of forward + backward
     arch = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     log(f"{arch}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
-        f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | "
-        + (f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"))
+        f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
     step_s = flops_per_token * tokens_per_step / CPU_FLOPS
     eval_s = flops_per_token / 3 * 2 * c.eval_iters * c.batch_size * c.block_size / CPU_FLOPS  # forward only
     if device.type == "cpu" and max(step_s, eval_s) > 60:
         log(f"warning: {raw_model.num_params() / 1e6:.3g}M parameters x {tokens_per_step:,} tokens per step on a CPU: "
             f"one step takes ~{fmt_time(step_s)}, one evaluation ~{fmt_time(eval_s)} (at {CPU_FLOPS / 1e9:.3g} "
             f"GFLOP/s); for a first run use config/quickstart.py")
+
+
+def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
+    """The run main set up: ckpt is the checkpoint to resume (or None), again the command that continues.
+    Returns the logged [(iteration, mean train loss since the previous line)]."""
+    master, cuda = rank == 0, device.type == "cuda"
+    dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    if cuda:
+        torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
+    tokens_per_step, grad_accum = step_plan(c, world_size)
+    model_args, ckpt, finetune = model_config(c, explicit, ckpt)
+    data = Data(c, device)
+    if not data.vocab <= c.landmark_id:
+        raise ConfigError(f"the data's token ids reach {data.vocab - 1}, but landmark_id={c.landmark_id} "
+                          f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
+    if master:
+        check_out_dir(c.out_dir)
+    raw_model, eval_model, model, optimizer, iter_num, best_val_loss = build(c, model_args, ckpt, finetune, device, ddp)
+    flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)
+    announce(c, raw_model, model_args, world_size, grad_accum, tokens_per_step, device, dtype,
+             f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch")
+
+    def save(step, val_loss):  # val_loss None: the save of a stop by a signal
+        save_checkpoint(c, model_args, raw_model, optimizer, step, best_val_loss, val_loss, tokens_per_step)
 
     # the loop. iter_num counts the optimizer steps done; everything about step iter_num+1
     # (lr, batches, Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
@@ -555,8 +625,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
                 f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})")
             improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
             if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
-                # the last step too: out_dir must end up holding this run, not an older one
-                save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, losses["val"], tokens_per_step)
+                save(iter_num, losses["val"])  # the last step too: out_dir must end up holding this run
                 saved = iter_num
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
@@ -564,52 +633,22 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
         stop = stop if ddp else STOP.signum  # one process: at every step; DDP: agreed at the log line below
         if stop:  # a step boundary: the model is whole
             if master and iter_num > saved:
-                save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, None, tokens_per_step)
+                save(iter_num, None)
             if ddp:
                 dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
-            msg = ("interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}") + (
-                f": saved {os.path.join(c.out_dir, 'ckpt.pt')} at step {iter_num}; continue with: {again}"
-                if iter_num > start else f" before step {start + 1}: nothing new to save; continue with: {again}"
-                if resumed else " before the first step: nothing saved")
-            raise Stopped(msg if master else "", stop)
+            raise Stopped(stop_message(stop, iter_num, start, resumed, c, again) if master else "", stop)
 
-        lr = get_lr(iter_num, c)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t_step = time.time()
-        for micro in range(grad_accum):
-            if micro:
-                progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
-            g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-            x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
-            torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
-            with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
-                with autocast:
-                    _, loss = model(x, y, return_logits=False)
-                (loss / grad_accum).backward()
-            loss_sum += loss.detach().float() / grad_accum
-        if c.grad_clip:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss_sum += train_step(model, optimizer, data, c, autocast, iter_num, rank, grad_accum, ddp)
         iter_num += 1
-
         if iter_num % c.log_interval == 0 or iter_num == last:
-            if ddp:  # the loss of the global batch, and whether any rank was sent Ctrl-C/SIGTERM: all stop at this
-                # step. On this all-reduce, which the log line needs anyway: a flag of its own would sync every step
-                sent = [float(STOP.signum == s) for s in (signal.SIGINT, signal.SIGTERM)]
-                both = torch.cat([loss_sum.view(1), torch.tensor(sent, device=device)])
-                dist.all_reduce(both)  # SUM (gloo has no AVG)
-                total, n_int, n_term = both.tolist()
-                stop = signal.SIGTERM if n_term else signal.SIGINT if n_int else 0
-            else:
-                total = loss_sum.item()
+            total, agreed = gather_loss(loss_sum, ddp, device)
+            stop = agreed if ddp else stop
             mean_loss = total / world_size / (iter_num - it_last)
             dt = (time.time() - t_last) / (iter_num - it_last)
             tok_s = tokens_per_step / dt
             mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
-            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
-                f"{tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
+            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {get_lr(iter_num - 1, c):.2e} | "
+                f"{1000 * dt:.1f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
                 f"eta {fmt_time(dt * (last - iter_num))}")
             history.append((iter_num, mean_loss))
             loss_sum.zero_()
