@@ -149,6 +149,32 @@ def check_lengths(tasks, lengths, samples, seed, enc, align=None):
                       f"use lengths of at least {fix}")
 
 
+def answer_prompt(model, prompt, n, state, segment, progress=None):
+    """Prefill `prompt` into the fresh state, then decode n tokens greedily -> (the tokens, the picks
+    [(chunk ids (K,), weights (K,))] per upper group that served the prompt's last token, which
+    predicts the answer's first)."""
+    prefill(model, prompt[:-1], state, segment, progress)
+    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]  # DecodeState
+    logits = prefill(model, prompt[-1:], state, segment)
+    return greedy(model, logits, state, n), picks
+
+
+def needle_picks(prompt, answer, picks, T):
+    """Retrieval diagnosis of one prompt: was the needle's chunk (or the next one, whose memory saw
+    the needle through the lower layers' window) among the picks serving the answer? -> (found,
+    the weight the needle's chunks got), or None where retrieval could not pick it (the needle in
+    the last two chunks: chunk c reads what the landmark of chunk c-1 picked among chunks < c-1).
+    picks: [(chunk ids (K,), weights (K,))] per upper group; T: text tokens per chunk."""
+    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
+    if not picks or need is None or need >= last - 1:
+        return None
+    on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
+    found = any(bool(m.any()) for m in on_needle)
+    # the weight (Eq. 3) the needle's chunks get, mean over the upper groups: GCA mixes the picked
+    # chunks' outputs by it, so other chunks that hold an answer dilute this one
+    return found, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+
+
 @torch.no_grad()
 def run_task(model, enc, task, lengths, args, ctx, haystack=None):
     """Accuracy of `task` at each context length; prints one table row per length."""
@@ -169,32 +195,18 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
             rng = random.Random(prompt_seed(args.seed, task, L, i))  # same prompts for every model and run
             prompt, answer = make_example(task, L, rng, enc, haystack, align=align)
             state = model.new_state(offload=args.offload)
-            progress = None
-            if L >= 2**18:
-                def progress(msg, i=i, L=L):
-                    print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True)
+            progress = None if L < 2**18 else (  # long prefills say how far they are
+                lambda msg, i=i: print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True))
             with ctx:
-                prefill(model, prompt[:-1], state, args.segment, progress)
-                # the picks serving the prompt's last token, which predicts the answer (DecodeState)
-                picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
-                logits = prefill(model, prompt[-1:], state, args.segment)
-                out = greedy(model, logits, state, len(answer))
+                out, picks = answer_prompt(model, prompt, len(answer), state, args.segment, progress)
             hit = score(out, answer, enc)
             correct += hit
             if args.show_misses and not hit:
                 print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {enc.decode(answer).strip()!r}, "
                       f"got {enc.decode(list(out[: len(answer)])).strip()!r}", flush=True)
-            # retrieval diagnosis: was the needle's chunk (or the next one, whose memory saw the needle
-            # through the lower layers' window) among the picks, where retrieval could pick it?
-            # (chunk c reads what the landmark of chunk c-1 picked among chunks < c-1)
-            need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
-            if picks and need is not None and need < last - 1:
-                eligible += 1
-                on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
-                found += any(bool(m.any()) for m in on_needle)
-                # the weight (Eq. 3) the needle's chunks get, mean over the upper groups: GCA mixes the
-                # picked chunks' outputs by it, so other chunks that hold an answer dilute this one
-                weight += sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+            got = needle_picks(prompt, answer, picks, T)
+            if got is not None:
+                eligible, found, weight = eligible + 1, found + got[0], weight + got[1]
             kv = state.memory.nbytes()
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
@@ -308,7 +320,7 @@ def load_haystack(path, enc):
               f"the synthetic filler")
 
 
-def main(argv=None):
+def arg_parser():
     p = argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests "
                                 "(--passkey, --multikey, --vartrack, --copying).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -352,8 +364,11 @@ def main(argv=None):
     test.add_argument("--haystack", default=None,
                       help="real text as filler: a folder of .txt books or a .bin from prepare_pg19.py "
                       "(None: a repeated 'The grass is green.' filler)")
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
     # every argument is checked before the checkpoint loads, which can take minutes
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
