@@ -275,6 +275,38 @@ def tokenize_split(books, path, pool, log=_print, name=""):
         os.fsync(f.fileno())  # whole on disk before it may be renamed over the old one
     return {"books": len(books), "tokens": n_tok, "offsets": offsets}
 
+def make_writable_dir(out_dir):
+    """Create out_dir if needed and check that files can be written there, before any real work."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
+        open(probe, "wb").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"output folder {out_dir} is not writable ({e}): pass --out to a writable folder") from None
+
+def read_meta(meta_path):
+    """The meta.json of an earlier run ({} if none, or unreadable: then this run starts afresh)."""
+    try:
+        with open(meta_path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+def swap_in(meta, meta_path, bins):
+    """Put a finished run in place: meta written under a temporary name, then meta.json out first,
+    the new .bin files over the old ones (bins: {temporary path: final path}), meta.json in last,
+    so that no meta.json ever describes .bin files of another run."""
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    for tmp, final in bins.items():
+        os.replace(tmp, final)
+    os.replace(meta_path + ".tmp", meta_path)
+
 def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=None, log=_print, max_books=None):
     """Tokenize <source>/<split>/*.txt (all, or the first max_books of each
     split) into <out_dir>/{train,val,test}.bin and meta.json. Returns the meta
@@ -290,23 +322,11 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     if max_books is not None and max_books < 1:
         raise ValueError(f"max_books={max_books}: give a positive number of books per split, or none for all")
     books = {s: list_books(source, s, max_books) for s in splits}  # every split before any real work
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
-        open(probe, "wb").close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"output folder {out_dir} is not writable ({e}): pass --out to a writable folder") from None
+    make_writable_dir(out_dir)
     ranks_file = ranks_file or os.environ.get("DRT_GPT2_RANKS")
     _init_worker(ranks_file)  # fail fast on a tokenizer problem, before starting workers
     meta_path = os.path.join(out_dir, "meta.json")
-    old = {}
-    if os.path.exists(meta_path):
-        try:
-            with open(meta_path) as f:
-                old = json.load(f)
-        except ValueError:
-            pass  # unreadable old meta: start afresh
+    old = read_meta(meta_path)
     tmp = {s: os.path.join(out_dir, SPLITS[s] + ".bin.tmp") for s in splits}
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     pool = mp.Pool(num_proc, initializer=_init_worker, initargs=(ranks_file,)) if num_proc > 1 else None
@@ -326,17 +346,7 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
         meta = {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB, "eot": EOT, "dtype": "uint16",
                 "source": os.path.abspath(source), "splits": {**kept, **new},
                 "titles": {i: t for i, t in titles.items() if i in ids}}
-        with open(meta_path + ".tmp", "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        # the swap, everything new being whole: meta.json out first and in last, so that
-        # no meta.json ever describes .bin files of another run
-        if os.path.exists(meta_path):
-            os.remove(meta_path)
-        for s in splits:
-            os.replace(tmp[s], os.path.join(out_dir, SPLITS[s] + ".bin"))
-        os.replace(meta_path + ".tmp", meta_path)
+        swap_in(meta, meta_path, {tmp[s]: os.path.join(out_dir, SPLITS[s] + ".bin") for s in splits})
     finally:
         if pool:
             pool.terminate()  # also stops workers still busy after an error
