@@ -110,6 +110,13 @@ class DRTConfig:
         return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
 
+def window_reach(cfg):
+    """Positions the stacked self-attention windows see back from a token, (n_lower + n_upper) x W:
+    what lies further back reaches it only through retrieval. cfg: a DRTConfig or anything with
+    its n_lower, groups and window (train.py's config)."""
+    return (cfg.n_lower + sum(cfg.groups)) * cfg.window
+
+
 # -----------------------------------------------------------------------------
 # Positions: ALiBi. Self-attention only ever sees distances inside the window, and ALiBi
 # uses exactly those: bias = -slope * (i - j), from int64 positions. It stays exact at any

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from common import fmt_len, parse_lengths, peak_mem_gib
-from model import DRT, DRTConfig
+from model import DRT, DRTConfig, window_reach
 from prepare_pg19 import GPT2_VOCAB, get_tokenizer
 from tasks import TASKS, Haystack, make_example, score
 
@@ -227,11 +227,11 @@ def copy_span(cfg):
 
 
 def copy_far_span(cfg):
-    """Tokens in a far span of the copying test: as many as the stacked windows have positions,
-    plus 8, so that (landmarks taking room too) no chain of windows reaches from a token back to
-    its earlier occurrence: only retrieval can copy it. The far copy rows of train.py's stage 1
-    (copy_row) are spans of this kind."""
-    return (cfg.n_lower + cfg.n_upper) * cfg.window + 8
+    """Tokens in a far span of the copying test: the windows' reach in positions, plus 8, so that
+    (landmarks taking room too) no chain of windows reaches from a token back to its earlier
+    occurrence: only retrieval can copy it. The far copy rows of train.py's stage 1 (copy_row)
+    are spans of this kind."""
+    return window_reach(cfg) + 8
 
 
 @torch.no_grad()

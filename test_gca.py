@@ -1489,7 +1489,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     import sample
 
     class Induction(torch.nn.Module):  # copies from L and from L_far back, where those are within its reach
-        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, n_upper=2)
+        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,))
 
         def __init__(self, reach):
             super().__init__()

@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tasks
 from common import fmt_time, peak_flops, peak_mem_gib
-from model import DRT, DRTConfig
+from model import DRT, DRTConfig, window_reach
 from prepare_pg19 import GPT2_VOCAB, get_tokenizer
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A), one home each -----
@@ -393,7 +393,7 @@ class Data:
                               f"(or --dataset={'|'.join(tasks.TASKS)})")
         with open(meta_path) as f:
             self.vocab, self.splits = json.load(f)["vocab_size"], {}
-        self.reach = (c.n_lower + sum(c.groups)) * c.window  # positions the stacked windows see back: copy_row's far rows lie past it
+        self.reach = window_reach(c)  # copy_row's far rows lie past it
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
             if not os.path.isfile(path):
