@@ -188,7 +188,12 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
 # the band's structure, so only the blocks the window touches are computed, and ALiBi as a
 # score_mod. Query and key indices are positions in the sequence: their difference is exact.
 
-FLEX_BLOCK = 128  # FlexAttention's tile size; the band is made of these blocks
+FLEX_BLOCK = 128  # FlexAttention's block-mask tile; the band is made of these blocks
+# Kernel tiles for the CUDA path, found by max-autotune at the training shape on an H200 (16,640
+# positions, 12 heads of 64, window 512): forward+backward 0.49 ms against 0.73 ms with the default
+# tiles; tuning inside every compile instead would add minutes to the first step.
+FLEX_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+                "num_warps": 4, "num_stages": 3}
 
 
 def window_block_mask(L, W, device, block=FLEX_BLOCK):
@@ -226,7 +231,9 @@ def flex_window_attention(q, k, v, window, slopes, block=FLEX_BLOCK):
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx)
     attend = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
-    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, block))
+    options = FLEX_OPTIONS if q.is_cuda else None
+    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, block),
+                  kernel_options=options)
 
 
 # -----------------------------------------------------------------------------
@@ -489,7 +496,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
     three times that with their fp32 softmax and gradient). The forward takes each chunk's
     gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
-    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32."""
+    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32; the gradient
+    is written straight in the matmul's dtype, one fused pass from bf16 logits to bf16 gradient
+    (an fp32 gradient cast later for the matmuls cost 1.6 ms more per 16,380 tokens on an H200)."""
 
     @staticmethod
     def forward(ctx, x, weight, targets):
@@ -499,12 +508,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=acc)
         for s in range(0, x.size(0), CE_ROWS):
             xs, ts = x[s : s + CE_ROWS], targets[s : s + CE_ROWS]
-            logits = (xs @ weight.t()).to(acc)  # (rows, V)
-            valid = (ts != -1).to(acc)[:, None]  # (rows, 1)
-            ts = ts.clamp(min=0)[:, None]
-            lse = logits.logsumexp(-1, keepdim=True)
-            loss += ((lse - logits.gather(1, ts)) * valid).sum()
-            g = (logits - lse).exp_().scatter_add_(1, ts, -valid).mul_(valid)  # d loss_sum / d logits
+            logits = xs @ weight.t()  # (rows, V), bf16 under autocast
+            z = logits.to(acc)
+            valid = (ts != -1)[:, None]  # (rows, 1)
+            lse = z.logsumexp(-1, keepdim=True)  # (rows, 1)
+            loss += ((lse - z.gather(1, ts.clamp(min=0)[:, None])) * valid).sum()
+            target = torch.arange(z.size(1), device=z.device) == ts[:, None]  # (rows, V) one-hot; none for -1
+            g = (((z - lse).exp() - target.to(acc)) * valid).to(logits.dtype)  # d loss_sum / d logits
             dx[s : s + CE_ROWS] = g @ weight
             dw += g.t() @ xs
         ctx.save_for_backward(dx, dw, n)

@@ -40,6 +40,7 @@ if not torch.cuda.is_available():
 
 import common  # noqa: E402
 import gca_kernel  # noqa: E402
+import model as drt  # noqa: E402
 import prepare_pg19  # noqa: E402
 import train  # noqa: E402
 from gca_kernel import flash_gca  # noqa: E402
@@ -563,7 +564,6 @@ def test_kernel_fits():
 def test_model_kernel_equals_reference(monkeypatch):
     """The whole model, forward and every gradient, with FlashGCA vs the PyTorch GCA (on a CPU
     the kernel runs in Triton's interpreter: the model's dispatch to it is the GPU's)."""
-    import model as drt
     torch.manual_seed(13)
     n_embd, T = (128, 20 * 15) if DEVICE == "cuda" else (32, 8 * 15)  # D = 64 or 16
     m = DRT(tiny_config(n_embd=n_embd, n_head=2, chunk_size=16, window=32, groups=(1, 1))).to(DEVICE)
@@ -654,8 +654,11 @@ def test_configs_train(groups):
         assert model.encoder is None and len(model.upper) == 0
 
 
-def test_loss_without_logits():
-    """return_logits=False (training) gives the same loss, and its gradients, from the targeted positions only."""
+@pytest.mark.parametrize("ce_rows", [4096, 16])
+def test_loss_without_logits(ce_rows, monkeypatch):
+    """return_logits=False (training) gives the same loss, and its gradients, from the targeted
+    positions only, whether the rows fit one chunk of LinearCrossEntropy or take several."""
+    monkeypatch.setattr(drt, "CE_ROWS", ce_rows)  # 16: 70 rows in 5 chunks, the last one partial
     model = tiny_model(dtype=torch.float64).train()
     model.config.gumbel = False
     idx = tokens(model.config, 2, 5 * 7, seed=16)
@@ -765,7 +768,6 @@ def test_state_holds_no_graph():
 def stream_picks(model, idx, state=None):
     """The chunks picked at every landmark of idx (1, T), per group: [(n, K) sorted] — from one
     forward (state=None) or token by token through a DecodeState."""
-    import model as drt
     S, G = model.config.chunk_size, len(model.config.groups)
     if state is None:
         calls, orig = [], drt.retrieve
