@@ -231,7 +231,7 @@ def flex_window_attention(q, k, v, window, slopes, block=FLEX_BLOCK):
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx)
     attend = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
-    options = FLEX_OPTIONS if q.is_cuda else None
+    options = FLEX_OPTIONS if q.is_cuda and q.element_size() == 2 else None  # tuned for bf16/fp16 tiles
     return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, block),
                   kernel_options=options)
 
