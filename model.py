@@ -496,9 +496,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
     three times that with their fp32 softmax and gradient). The forward takes each chunk's
     gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
-    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32; the gradient
-    is written straight in the matmul's dtype, one fused pass from bf16 logits to bf16 gradient
-    (an fp32 gradient cast later for the matmuls cost 1.6 ms more per 16,380 tokens on an H200)."""
+    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32. Compiled,
+    the gradient comes out of one fused pass from bf16 logits to bf16 (an fp32 gradient cast later
+    for the matmuls cost 1.6 ms more per 16,380 tokens on an H200); eager, it is made in place."""
 
     @staticmethod
     def forward(ctx, x, weight, targets):
@@ -510,11 +510,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             xs, ts = x[s : s + CE_ROWS], targets[s : s + CE_ROWS]
             logits = xs @ weight.t()  # (rows, V), bf16 under autocast
             z = logits.to(acc)
-            valid = (ts != -1)[:, None]  # (rows, 1)
+            valid, hit = (ts != -1).to(acc)[:, None], ts.clamp(min=0)[:, None]  # (rows, 1) each
             lse = z.logsumexp(-1, keepdim=True)  # (rows, 1)
-            loss += ((lse - z.gather(1, ts.clamp(min=0)[:, None])) * valid).sum()
-            target = torch.arange(z.size(1), device=z.device) == ts[:, None]  # (rows, V) one-hot; none for -1
-            g = (((z - lse).exp() - target.to(acc)) * valid).to(logits.dtype)  # d loss_sum / d logits
+            loss += ((lse - z.gather(1, hit)) * valid).sum()
+            if torch.compiler.is_compiling():  # the one-hot as a comparison: one fused pass, cast included
+                onehot = torch.arange(z.size(1), device=z.device) == hit  # (rows, V)
+                g = ((z - lse).exp() - onehot.to(acc)) * valid
+            else:  # eager: in place, one (rows, V) buffer (on a CPU big temporaries cost more than the math)
+                g = (z - lse).exp_().scatter_add_(1, hit, -valid).mul_(valid)
+            g = g.to(logits.dtype)  # d loss_sum / d logits
             dx[s : s + CE_ROWS] = g @ weight
             dw += g.t() @ xs
         ctx.save_for_backward(dx, dw, n)
