@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, window_reach
 from prepare_pg19 import GPT2_VOCAB, get_tokenizer
-from tasks import TASKS, Haystack, make_example, score
+from tasks import NAMES, TASKS, UNSEEN_NAMES, Haystack, make_example, score
 
 
 def error(msg):
@@ -103,19 +103,24 @@ def greedy(model, logits, state, n):
     return out
 
 
+def multikey_names(args):
+    """The names multi-key's test prompts draw from."""
+    return UNSEEN_NAMES if args.unseen_names else NAMES
+
+
 def prompt_seed(seed, task, L, i):
     """The seed of test prompt i of `task` at length L: the same prompts for every model and run."""
     return f"{seed}-{task}-{L}-{i}"
 
 
-def prompt_room(task, seed, enc, align=None):
+def prompt_room(task, seed, enc, align=None, names=NAMES):
     """Tokens that the needles and question of the test prompt drawn with random.Random(seed)
     take: the shortest length make_example accepts for it (with align, the shortest whose cut
     prompt still fits). Only short lengths are tried, so no long filler is built; whether a
     length fits grows with it (the needles are drawn first), so a bisection finds it."""
     def fits(n):
         try:
-            make_example(task, n, random.Random(seed), enc, align=align)
+            make_example(task, n, random.Random(seed), enc, align=align, names=names)
             return True
         except ValueError:  # too short for the needles and question
             return False
@@ -128,16 +133,16 @@ def prompt_room(task, seed, enc, align=None):
     return lo
 
 
-def check_lengths(tasks, lengths, samples, seed, enc, align=None):
+def check_lengths(tasks, lengths, samples, seed, enc, align=None, names=NAMES):
     """Every test prompt must hold its needles and question: a length too short for the prompts
     run_task will draw is an error now, before the model loads, naming the shortest that works."""
     for task in tasks:
         # prompts differ by a few tokens (multikey: 62 to 69); no length below the longest of 64
         # probes passes, so that whether a length passes does not hang on the luck of its seeds
-        floor = max(prompt_room(task, i, enc, align) for i in range(64))
+        floor = max(prompt_room(task, i, enc, align, names) for i in range(64))
 
         def ok(L):  # every prompt run_task draws at length L fits
-            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc, align) <= L
+            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc, align, names) <= L
                                       for i in range(samples))
 
         for L in lengths:
@@ -180,9 +185,11 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
     """Accuracy of `task` at each context length; prints one table row per length."""
     device = next(model.parameters()).device
     align = None if args.no_align else model.config.chunk_size - 1
+    names = multikey_names(args)
     print(f"\n{task}: {args.samples} samples per length, {'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
-          f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}")
+          f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}"
+          f"{', names unseen in training' if args.unseen_names and task == 'multikey' else ''}")
     header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'needle w':>8} {'s/sample':>9} "
               f"{'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
@@ -193,7 +200,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
         correct, t0, kv, eligible, found, weight = 0, time.time(), 0, 0, 0, 0.0
         for i in range(args.samples):
             rng = random.Random(prompt_seed(args.seed, task, L, i))  # same prompts for every model and run
-            prompt, answer = make_example(task, L, rng, enc, haystack, align=align)
+            prompt, answer = make_example(task, L, rng, enc, haystack, align=align, names=names)
             state = model.new_state(offload=args.offload)
             progress = None if L < 2**18 else (  # long prefills say how far they are
                 lambda msg, i=i: print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True))
@@ -292,6 +299,8 @@ def check_args(args):
         error(f"--device={args.device}: no CUDA GPU here: pass --device=cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         error(f"--device={args.device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
+    if args.unseen_names and not args.multikey:
+        error("--unseen_names: only multi-key has names: add --multikey")
 
 
 def read_prompt(prompt):
@@ -357,6 +366,9 @@ def arg_parser():
                       help="test prompts per length and test (not --num_samples, which counts generations)")
     test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS,
                       help=argparse.SUPPRESS)  # the old name, hidden
+    test.add_argument("--unseen_names", action="store_true",
+                      help="multi-key asks for names never used in training: does the model match names, "
+                      "or has it learned the twenty of training?")
     test.add_argument("--show_misses", action="store_true", help="print each wrong answer next to the right one")
     test.add_argument("--no_align", action="store_true",
                       help="do not cut prompts so that the question's last token opens a chunk (the default "
@@ -383,7 +395,7 @@ def main(argv=None):
             lengths = parse_lengths(args.lengths)
         except ValueError as e:
             error(e)
-        check_lengths(tasks, lengths, args.samples, args.seed, enc)
+        check_lengths(tasks, lengths, args.samples, args.seed, enc, names=multikey_names(args))
     if (tasks or args.copying) and args.haystack:
         haystack = load_haystack(args.haystack, enc)  # once, for every test
 
@@ -399,7 +411,8 @@ def main(argv=None):
         if args.copying:
             copy_test(model, args, ctx, haystack)
         if tasks and not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
-            check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1)
+            check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1,
+                          multikey_names(args))
         for task in tasks:
             run_task(model, enc, task, lengths, args, ctx, haystack)
         return

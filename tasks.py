@@ -32,6 +32,10 @@ FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. T
 MAX_ANSWER = 5  # tokens an answer can take (a 5-digit number): a training row keeps room for it after the prompt
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
+# multi-key's names in training are NAMES; these never appear in a training prompt, so a test with them
+# (sample.py --unseen_names) tells matching a name from having memorized the twenty (18 + 2 two-token words, as NAMES)
+UNSEEN_NAMES = ["lantern", "puzzle", "rocket", "saddle", "thunder", "velvet", "quartz", "dragon", "hammer", "lemon",
+                "feather", "glacier", "kettle", "mirror", "button", "castle", "ribbon", "helmet", "parrot", "walnut"]
 
 
 class Haystack:
@@ -74,14 +78,14 @@ def filler(n, rng, enc, haystack=None):
     return np.resize(unit, offset + n)[offset:]
 
 
-def needles_and_question(task, rng):
-    """-> (needle texts in order of appearance, question text, answer text)."""
+def needles_and_question(task, rng, names=NAMES):
+    """-> (needle texts in order of appearance, question text, answer text). names: multi-key's."""
     if task == "passkey":
         key = str(rng.randrange(10000, 100000))
         return ([f" The pass key is {key}. Remember it. {key} is the pass key."],
                 " What is the pass key? The pass key is", f" {key}")
     if task == "multikey":
-        names = rng.sample(NAMES, 4)
+        names = rng.sample(names, 4)
         keys = [str(rng.randrange(10000, 100000)) for _ in names]
         ask = rng.randrange(len(names))
         return ([f" The pass key of {n} is {k}. Remember it." for n, k in zip(names, keys)],
@@ -101,12 +105,13 @@ def needles_and_question(task, rng):
     raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
 
 
-def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None):
+def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None, names=NAMES):
     """A prompt of `length` tokens (filler with the needles at random depths, none before token
     min_depth, the question at the end) and the answer's token ids (a list). With align=T the
     prompt is cut to the longest length <= `length` whose last token opens a chunk of T text
-    tokens (length - 1 a multiple of T): at most T-1 tokens shorter. rng: random.Random."""
-    needles, question, answer = needles_and_question(task, rng)
+    tokens (length - 1 a multiple of T): at most T-1 tokens shorter. rng: random.Random.
+    names: the names multi-key draws its four from."""
+    needles, question, answer = needles_and_question(task, rng, names)
     needles = [np.array(enc.encode_ordinary(t), dtype=np.int64) for t in needles]
     question, answer = np.array(enc.encode_ordinary(question), dtype=np.int64), enc.encode_ordinary(answer)
     if align:

@@ -1418,6 +1418,33 @@ def test_vartrack_needs_two_hops(monkeypatch):
     assert 0 < first < 20  # either chain comes first
 
 
+def test_multikey_unseen_names(tmp_path, monkeypatch, capsys):
+    """--unseen_names: multi-key's test prompts name only words no training prompt holds, with the
+    same keys as the usual prompts (the same random draws): a model that matches names scores alike
+    on both, one that has learned the twenty names of training does not."""
+    import random
+
+    import sample
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    assert len(tasks.UNSEEN_NAMES) == len(set(tasks.UNSEEN_NAMES)) == len(tasks.NAMES)
+    assert not set(tasks.UNSEEN_NAMES) & set(tasks.NAMES)
+    for i in range(10):
+        seen, _ = tasks.make_example("multikey", 500, random.Random(i), enc)
+        unseen, answer = tasks.make_example("multikey", 500, random.Random(i), enc, names=tasks.UNSEEN_NAMES)
+        text = enc.decode(unseen.tolist())
+        keys = dict(re.findall(r"pass key of (\w+) is (\d+)\.", text))
+        asked = re.search(r"pass key of (\w+) is$", text).group(1)
+        assert len(keys) == 4 and set(keys) <= set(tasks.UNSEEN_NAMES) and keys[asked] == enc.decode(answer).strip()
+        assert not any(re.search(rf"\b{name}\b", text) for name in tasks.NAMES)
+        assert sorted(keys.values()) == sorted(re.findall(r"is (\d+)\. Remember", enc.decode(seen.tolist())))
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    sample.main([f"--ckpt={ckpt}", "--multikey", "--unseen_names", "--lengths=300", "--samples_per_length=2",
+                 "--device=cpu"])
+    assert re.search(r"^multikey: .*names unseen in training\n(.*\n){2}\s+300\s+2\s+\d+\.\d%",
+                     capsys.readouterr().out, re.M)
+
+
 def test_question_alignment(monkeypatch):
     """align=T: the prompt's last token (" is") opens a chunk, so the landmark before it, whose
     retrieval serves the answer, has read the whole question; and training rows keep it."""
@@ -1600,6 +1627,7 @@ BAD_SAMPLE_ARGS = [
     (["--segment=0"], r"--segment=0: must be >= 1"),
     (["--device=cuda"], r"--device=cuda: no CUDA GPU here: pass --device=cpu"),
     (["--device=gpu0"], r"--device=gpu0: expected cpu, cuda or cuda:N"),
+    (["--passkey", "--unseen_names"], r"--unseen_names: only multi-key has names: add --multikey"),
 ]
 
 
