@@ -1088,6 +1088,33 @@ def test_out_dir_with_a_checkpoint(tmp_path):
     assert json.loads((tmp_path / "run" / "ckpt.json").read_text())["val_loss"] == ckpt["best_val_loss"]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_out_dir_in_use(tmp_path, monkeypatch):
+    """A second run into an out_dir that a run is still training in (no checkpoint saved yet, so the
+    check above passes) stops at once and names that run's pid; the folder is free when the run ends,
+    whether it finished or failed."""
+    import fcntl
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "w") as held:  # as a running train.py holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        with pytest.raises(train.ConfigError, match=r"^out_dir .*run is in use by another train.py run \(pid 4242\)"):
+            train.main(tiny_args(tmp_path, "run", "--max_iters=1"))
+    assert not (out / "ckpt.pt").exists()
+    def broken_build(*args):
+        assert (out / ".lock").read_text() == str(os.getpid())  # this run holds it now
+        raise RuntimeError("broken")
+    with monkeypatch.context() as m, pytest.raises(RuntimeError, match="broken") as failed:
+        m.setattr(train, "build", broken_build)  # a run that fails after taking the lock
+        train.main(tiny_args(tmp_path, "run", "--max_iters=1"))
+    assert failed.value.__traceback__ is not None  # its frames are still alive here, and yet:
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    train.main(tiny_args(tmp_path, "run", "--init_from=resume", "--max_iters=2"))
+    assert load_ckpt(out)["iter_num"] == 2
+
+
 def test_bad_checkpoint_files(tmp_path):
     """A truncated, foreign or not-resumable ckpt.pt: one line that says so, for resume and fine-tune."""
     import argparse

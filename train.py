@@ -48,6 +48,11 @@ import typing
 from contextlib import nullcontext
 from datetime import timedelta
 
+try:
+    import fcntl  # POSIX: the out_dir lock
+except ImportError:
+    fcntl = None
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -60,7 +65,7 @@ from prepare_pg19 import GPT2_VOCAB, get_tokenizer
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A), one home each -----
 # I/O
-out_dir = "out"  # where ckpt.pt (weights, optimizer, loop state) and ckpt.json (the same without tensors) go
+out_dir = "out"  # where ckpt.pt (weights, optimizer, loop state) and ckpt.json (the same without tensors) go; one run at a time (.lock)
 eval_interval = 1000  # steps between evaluations and checkpoints (146M + AdamW state: a 1.75 GB ckpt.pt)
 log_interval = 10  # steps between log lines; each line syncs the GPU once and reports the mean loss since the last (under torchrun a Ctrl-C stops every GPU at the next line)
 eval_iters = 40  # micro-batches per split per evaluation: 40 x 4 x 16380 = 2.6M tokens, a steady estimate
@@ -359,6 +364,30 @@ def check_out_dir(out_dir):
         raise ConfigError(f"out_dir {out_dir} is not writable ({e}): pass --out_dir=<writable folder>") from None
 
 
+LOCK = []  # the open lock file of out_dir while this process trains (lock_out_dir), closed when main() ends
+
+
+def lock_out_dir(out_dir):
+    """Hold out_dir for this run: a second train.py into the same folder (a typo, a resume while the run
+    still goes) would pass the checks above, as no checkpoint may be saved yet, and later overwrite this
+    run's. The lock is the OS's (flock): it goes with the process, however that ends; none on Windows."""
+    if fcntl is None:
+        return
+    f = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(f"out_dir {out_dir} is in use by another train.py run (pid {pid}): let it finish or "
+                          f"stop it first, or use another --out_dir") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    LOCK.append(f)
+
+
 def is_tasks(dataset):
     """Whether --dataset names synthetic tasks (tasks.py) rather than a prepared text dataset."""
     return all(t in tasks.TASKS for t in dataset.split(","))
@@ -599,6 +628,7 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
                           f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
     if master:
         check_out_dir(c.out_dir)
+        lock_out_dir(c.out_dir)
     raw_model, eval_model, model, optimizer, iter_num, best_val_loss = build(c, model_args, ckpt, finetune, device, ddp)
     flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)
     announce(c, raw_model, model_args, world_size, grad_accum, tokens_per_step, device, dtype,
@@ -727,6 +757,8 @@ def main(argv=None):
         raise
     finally:
         STOP.release()
+        while LOCK:
+            LOCK.pop().close()  # out_dir is free for the next run (in a notebook or a test: this process)
         if ddp:
             dist.destroy_process_group()
 
