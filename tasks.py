@@ -22,7 +22,9 @@ question, or none of it.
     prompt, answer = make_example("passkey", 4096, random.Random(0), enc, align=63)
 """
 
+import functools
 import os
+import re
 
 import numpy as np
 import torch
@@ -36,6 +38,16 @@ NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pep
 # (sample.py --unseen_names) tells matching a name from having memorized the twenty (18 + 2 two-token words, as NAMES)
 UNSEEN_NAMES = ["lantern", "puzzle", "rocket", "saddle", "thunder", "velvet", "quartz", "dragon", "hammer", "lemon",
                 "feather", "glacier", "kettle", "mirror", "button", "castle", "ribbon", "helmet", "parrot", "walnut"]
+
+
+@functools.lru_cache(maxsize=2)
+def word_pool(enc):
+    """Names by the thousand for multi-key training (train.py --task_names=pool): every GPT-2 token that
+    is a space and 4-8 lower-case letters, past the 3,000 commonest ("that", "with"), minus NAMES and
+    UNSEEN_NAMES, so that every test name is unseen: ~12K words, too many to learn one by one."""
+    held = set(NAMES) | set(UNSEEN_NAMES)
+    words = (enc.decode([t]) for t in range(3000, enc.n_vocab))
+    return tuple(w[1:] for w in words if re.fullmatch(r" [a-z]{4,8}", w) and w[1:] not in held)
 
 
 class Haystack:
@@ -131,20 +143,20 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, answer_only=False,
-              min_depth=0, align=None):
+              min_depth=0, align=None, names=NAMES):
     """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
     y is the next token everywhere, or with answer_only=True only at the answer's positions
     (-1 elsewhere). From scratch a model needs the loss everywhere (the filler and the key's
-    second mention teach it to copy); after pre-training on text either works."""
+    second mention teach it to copy); after pre-training on text either works. names: multi-key's."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
     y = torch.empty(batch_size, seq_len, dtype=torch.long)
     for b in range(batch_size):
         task = rng.choice(tasks)
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
-        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align)
+        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]

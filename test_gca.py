@@ -1158,6 +1158,25 @@ def test_passkey_task(tmp_path, monkeypatch):
                     f"--out_dir={tmp_path / 'x'}"])
     with pytest.raises(train.ConfigError, match=r"task_min_depth=-1 must be >= 0"):
         train.main(["--task_min_depth=-1"])
+    with pytest.raises(train.ConfigError, match=r"task_names='words' must be 'twenty' or 'pool'"):
+        train.main(["--task_names=words"])
+
+
+def test_word_pool(monkeypatch):
+    """--task_names=pool: multi-key trains on thousands of one-token words, none of them a name any
+    test asks about (NAMES, UNSEEN_NAMES), so only matching names can pass a test."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    pool = tasks.word_pool(enc)
+    assert len(pool) > 10000 and len(set(pool)) == len(pool)
+    assert not set(pool) & (set(tasks.NAMES) | set(tasks.UNSEEN_NAMES))
+    assert all(len(enc.encode_ordinary(" " + w)) == 1 and w.isalpha() for w in random.Random(0).sample(pool, 500))
+    x, _ = tasks.get_batch("multikey", 8, 300, random.Random(0), enc, names=pool)
+    rows = [enc.decode(row.tolist()) for row in x]
+    assert all(set(re.findall(r"pass key of (\w+)", row)) <= set(pool) for row in rows)
+    assert len({re.search(r"pass key of (\w+)\?", row).group(1) for row in rows}) == 8  # asked: 8 draws from 12K
 
 
 def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
@@ -1172,12 +1191,14 @@ def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     pre, ft = tmp_path / "pre", tmp_path / "ft"
     train.main([os.path.join(HERE, "config/passkey_pretrain.py"), *small, f"--data_dir={data}", f"--out_dir={pre}"])
     hist = train.main([os.path.join(HERE, "config/passkey_finetune.py"), *small[2:], f"--init_from={pre}",
-                       f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40"])
+                       f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40",
+                       "--task_names=pool"])
     assert [it for it, _ in hist] == [1, 2]
     a, b = load_ckpt(pre), load_ckpt(ft)
     assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1
     assert a["config"]["copy_frac"] == 0.5  # stage 1 learns copying on rows of random tokens
     assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey"  # one model, 2 tasks
+    assert b["config"]["task_names"] == "pool"
     capsys.readouterr()
     sample.main([f"--out_dir={ft}", "--passkey", "--lengths=500,2K", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={data}/val.bin"])

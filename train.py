@@ -81,6 +81,7 @@ task_min_depth = 0  # synthetic tasks: needles no earlier than this token, so th
 task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
 task_haystack = ""  # synthetic tasks: real text to hide the needles in, a .bin of prepare_pg19.py (e.g. data/pg19/train.bin); "" = the repeated sentences only
 task_haystack_frac = 0.5  # synthetic tasks with task_haystack: the fraction of prompts in real text, the rest in the sentences
+task_names = "twenty"  # multi-key's names in training: 'twenty' = tasks.NAMES (the README's models, which answer for those alone); 'pool' = ~12K one-token words (tasks.word_pool), none a test uses, so the model must match names
 task_align = True  # synthetic tasks: cut prompts so the question's last token opens a chunk, so the landmark whose retrieval serves the answer has read the question (the paper pads its prompts so, Appendix D)
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
 block_size = 16380  # text tokens per sequence: 260 chunks of 63, the paper's 16K training length
@@ -198,6 +199,7 @@ def check_config(config):
         (c.copy_frac and is_tasks(c.dataset),
          f"copy_frac={c.copy_frac} mixes copy rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
+        (c.task_names not in ("twenty", "pool"), f"task_names={c.task_names!r} must be 'twenty' or 'pool'"),
         (c.dtype not in ("auto", "bfloat16", "float32"),
          f"dtype={c.dtype!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)"),
     ] if wrong]
@@ -402,6 +404,7 @@ class Data:
         if is_tasks(c.dataset):
             self.enc, self.vocab = get_tokenizer(), GPT2_VOCAB  # the tasks' text is GPT-2 tokens
             self.align = c.chunk_size - 1 if c.task_align else None
+            self.names = tasks.word_pool(self.enc) if c.task_names == "pool" else tasks.NAMES
             try:
                 self.haystack = tasks.Haystack(c.task_haystack, self.enc) if c.task_haystack else None
             except (OSError, ValueError) as e:
@@ -410,7 +413,7 @@ class Data:
                 for task in self.tasks:
                     for i in range(8):
                         tasks.make_example(task, c.block_size + 1 - tasks.MAX_ANSWER, random.Random(i), self.enc,
-                                           min_depth=c.task_min_depth, align=self.align)
+                                           min_depth=c.task_min_depth, align=self.align, names=self.names)
             except ValueError as e:
                 raise ConfigError(f"{e}: raise --block_size or lower --task_min_depth") from None
             return
@@ -440,7 +443,7 @@ class Data:
         if self.tasks:
             x, y = tasks.get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack,
                                    c.task_haystack_frac, not training or c.task_loss == "answer",
-                                   c.task_min_depth, self.align)
+                                   c.task_min_depth, self.align, self.names)
         else:
             path, n = self.splits[split]
             data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
