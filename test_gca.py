@@ -1103,6 +1103,7 @@ def test_out_dir_in_use(tmp_path, monkeypatch):
         with pytest.raises(train.ConfigError, match=r"^out_dir .*run is in use by another train.py run \(pid 4242\)"):
             train.main(tiny_args(tmp_path, "run", "--max_iters=1"))
     assert not (out / "ckpt.pt").exists()
+
     def broken_build(*args):
         assert (out / ".lock").read_text() == str(os.getpid())  # this run holds it now
         raise RuntimeError("broken")
@@ -1181,7 +1182,7 @@ def test_word_pool(monkeypatch):
 
 def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     """The passkey recipe's plumbing at toy size: config/passkey_pretrain.py on text and copy rows, then
-    config/passkey_finetune.py from it (a task mix, a real-text haystack, aligned questions),
+    config/passkey_finetune.py from it (a task mix, a real-text haystack, aligned questions, pool names),
     then sample.py's test table on the result."""
     import sample
     _tokenizer_or_skip(monkeypatch)
