@@ -367,8 +367,9 @@ def arg_parser():
     test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS,
                       help=argparse.SUPPRESS)  # the old name, hidden
     test.add_argument("--unseen_names", action="store_true",
-                      help="multi-key asks for names never used in training: does the model match names, "
-                      "or has it learned the twenty of training?")
+                      help="multi-key asks for a second list of names (tasks.UNSEEN_NAMES), in no training "
+                      "prompt: tells a model trained on tasks.NAMES (--task_names=twenty) matching names from "
+                      "having learned those twenty")
     test.add_argument("--show_misses", action="store_true", help="print each wrong answer next to the right one")
     test.add_argument("--no_align", action="store_true",
                       help="do not cut prompts so that the question's last token opens a chunk (the default "

@@ -34,15 +34,15 @@ FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. T
 MAX_ANSWER = 5  # tokens an answer can take (a 5-digit number): a training row keeps room for it after the prompt
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
-# multi-key's names in training are NAMES; these never appear in a training prompt, so a test with them
-# (sample.py --unseen_names) tells matching a name from having memorized the twenty (18 + 2 two-token words, as NAMES)
+# a second test list (sample.py --unseen_names), never in a training prompt: with train.py --task_names=twenty
+# (training on NAMES) it tells matching a name from having memorized the twenty (18 + 2 two-token words, as NAMES)
 UNSEEN_NAMES = ["lantern", "puzzle", "rocket", "saddle", "thunder", "velvet", "quartz", "dragon", "hammer", "lemon",
                 "feather", "glacier", "kettle", "mirror", "button", "castle", "ribbon", "helmet", "parrot", "walnut"]
 
 
 @functools.lru_cache(maxsize=2)
 def word_pool(enc):
-    """Names by the thousand for multi-key training (train.py --task_names=pool): every GPT-2 token that
+    """Names by the thousand for multi-key training (train.py's default --task_names=pool): every GPT-2 token that
     is a space and 4-8 lower-case letters, past the 3,000 commonest ("that", "with"), minus NAMES and
     UNSEEN_NAMES, so that every test name is unseen: ~12K words, too many to learn one by one."""
     held = set(NAMES) | set(UNSEEN_NAMES)

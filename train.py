@@ -81,7 +81,7 @@ task_min_depth = 0  # synthetic tasks: needles no earlier than this token, so th
 task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
 task_haystack = ""  # synthetic tasks: real text to hide the needles in, a .bin of prepare_pg19.py (e.g. data/pg19/train.bin); "" = the repeated sentences only
 task_haystack_frac = 0.5  # synthetic tasks with task_haystack: the fraction of prompts in real text, the rest in the sentences
-task_names = "twenty"  # multi-key's names in training: 'twenty' = tasks.NAMES (the README's models, which answer for those alone); 'pool' = ~12K one-token words (tasks.word_pool), none a test uses, so the model must match names
+task_names = "pool"  # multi-key's names in training: 'pool' = ~12K one-token words (tasks.word_pool), none a test uses, so the model must learn to match names; 'twenty' = tasks.NAMES (its models then answer for those twenty alone)
 task_align = True  # synthetic tasks: cut prompts so the question's last token opens a chunk, so the landmark whose retrieval serves the answer has read the question (the paper pads its prompts so, Appendix D)
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
 block_size = 16380  # text tokens per sequence: 260 chunks of 63, the paper's 16K training length
