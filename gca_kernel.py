@@ -32,9 +32,11 @@ Backward, deterministic, no atomics, recomputing P from the lse:
      round trip in every iteration.
   2. dk/dv kernel over the INVERTED selection: for each memory chunk, the
      (query chunk, slot) pairs that picked it with w != 0, as CSR built in
-     torch (stable argsort + bincount). One program per (memory chunk, head)
-     loops over its pairs with the same recomputation, transposed (keys x
-     queries), and writes dk, dv once. Chunks nobody picked get zeros. Chunks
+     torch (stable argsort + bincount) by the backward formula, outside the
+     op: all layers of a retrieval group share idx and w, so torch.compile
+     builds it once per group. One program per (memory chunk, head) loops over
+     its pairs with the same recomputation, transposed (keys x queries), and
+     writes dk, dv once. Chunks nobody picked get zeros. Chunks
      run busiest first, all heads of one chunk together (a hot chunk may be
      picked by hundreds of query chunks while the mean is K), so the long
      programs do not straggle at the end.
@@ -288,7 +290,8 @@ def _(q, k_mem, v_mem, idx, w):
 
 @torch.library.custom_op("drt::flash_gca_bwd", mutates_args=())
 def _gca_bwd(do: torch.Tensor, q: torch.Tensor, k_mem: torch.Tensor, v_mem: torch.Tensor, idx: torch.Tensor,
-             w: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             w: torch.Tensor, lse: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+             pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, C, S, H, D = q.shape
     M, NK = k_mem.shape[1], idx.shape[-1]
     do = do.to(q.dtype).contiguous()  # (B, C, S, H, D)
@@ -309,7 +312,6 @@ def _gca_bwd(do: torch.Tensor, q: torch.Tensor, k_mem: torch.Tensor, v_mem: torc
     dk = _new(k_mem.shape, k_mem.dtype, k_mem.device)
     dv = _new(v_mem.shape, v_mem.dtype, v_mem.device)
     if dk.numel() > 0:
-        order, offsets, pairs = _invert_selection(idx, w, M)
         _gca_bwd_dkdv_kernel[(B * M * H,)](
             q, k_mem, v_mem, w, do, lse, delta, dk, dv, order, offsets, pairs,
             *_strides(q), *_strides(k_mem), *_strides(v_mem), *_strides(do),
@@ -320,7 +322,7 @@ def _gca_bwd(do: torch.Tensor, q: torch.Tensor, k_mem: torch.Tensor, v_mem: torc
 
 
 @_gca_bwd.register_fake
-def _(do, q, k_mem, v_mem, idx, w, lse):
+def _(do, q, k_mem, v_mem, idx, w, lse, order, offsets, pairs):
     return (q.new_empty(q.shape), k_mem.new_empty(k_mem.shape), v_mem.new_empty(v_mem.shape),
             w.new_empty(w.shape))
 
@@ -331,7 +333,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, _dlse):
-    dq, dk, dv, dw = _gca_bwd(do, *ctx.saved_tensors)
+    q, k_mem, v_mem, idx, w, lse = ctx.saved_tensors
+    # The inverted selection depends on idx and w alone, which all layers of a retrieval group
+    # share: built here, outside the opaque op, torch.compile computes it once per group
+    # (common subexpressions) instead of once per layer.
+    order, offsets, pairs = _invert_selection(idx, w, k_mem.shape[1])
+    dq, dk, dv, dw = _gca_bwd(do, q, k_mem, v_mem, idx, w, lse, order, offsets, pairs)
     return dq, dk, dv, None, dw
 
 

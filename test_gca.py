@@ -699,6 +699,66 @@ def test_compile_whole_model():
         torch.testing.assert_close(p.grad, a)
 
 
+@pytest.mark.parametrize("groups", [(3,), (2, 2)], ids=["G3", "G2+2"])
+def test_compile_inverts_selection_once_per_group(groups, monkeypatch):
+    """FlashGCA's backward needs the inverted selection (who picked each memory chunk: two argsorts),
+    which depends on idx and w alone. All layers of a group share them, so the compiled backward
+    builds it once per group, not once per layer. Traced as Inductor traces: AOTAutograd with the
+    min-cut partitioner, whose common-subexpression pass merges the layers' copies."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    monkeypatch.setattr(drt, "GCA_IMPL", "triton")  # the kernel, also where the model would pick PyTorch
+    counts = {}
+
+    def backend(gm, example_inputs):
+        def bw(graph, _):
+            targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+            counts["sort"] = sum("sort" in t for t in targets)
+            counts["gca_bwd"] = sum("flash_gca_bwd" in t for t in targets)
+            return make_boxed_func(graph)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: make_boxed_func(g), bw_compiler=bw,
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    torch._dynamo.reset()
+    model = tiny_model(dtype=torch.float32, groups=groups, n_embd=64, chunk_size=16, window=32)  # D = 16
+    model = model.to(DEVICE).train()  # the kernel: natively on a GPU, interpreted on a CPU
+    idx = tokens(model.config, 1, 6 * 15, seed=5).to(DEVICE)
+    _, loss = torch.compile(model, backend=backend, fullgraph=True)(idx, idx, return_logits=False)
+    loss.backward()
+    assert counts["gca_bwd"] == sum(groups)  # one kernel call per upper layer
+    assert counts["sort"] == 2 * len(groups)  # two argsorts per group
+
+
+@cuda
+def test_cuda_compiled_step_has_no_host_sync():
+    """A compiled training step (forward, backward, fused AdamW) never waits for the GPU: no
+    .item(), no data-dependent shape, no host-side check on device values."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    raw = DRT(tiny_config(n_embd=64, n_head=2, chunk_size=16, window=32, groups=(2,))).cuda()
+    model = torch.compile(raw)
+    opt = raw.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")
+    idx = tokens(raw.config, 2, 12 * 15, seed=3).cuda()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx, return_logits=False)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # compiles (which may synchronise)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call now raises
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 # -----------------------------------------------------------------------------
 # streaming state (§3.2): token-by-token decoding, segmented prefill, offloaded memory, generate
 
