@@ -77,6 +77,7 @@ class DRTConfig:
     mlp_hidden: int = 0          # SwiGLU hidden width; 0 -> 8/3 * n_embd rounded up to a multiple of 64 (2048 at 768)
     softmax_off_by_one: bool = True  # Eq. 3 weights exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
+    retriever: str = "learned"   # "learned": top-k of Eq. 1's scores; "random": uniformly random earlier chunks, weighted by Eq. 3 (Table 4's ablation); "none": weights 0, GCA reads nothing (the window-only floor)
 
     def __post_init__(self):
         self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
@@ -96,6 +97,8 @@ class DRTConfig:
             bad.append(f"groups={self.groups}: every group needs at least one layer")
         if self.topk < 1:
             bad.append(f"topk={self.topk} must be >= 1")
+        if self.retriever not in ("learned", "random", "none"):
+            bad.append(f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'")
         if self.n_lower < 0 or self.n_enc < 0:
             bad.append("n_lower and n_enc must be >= 0")
         if bad:
@@ -292,11 +295,12 @@ class ChunkEncoder(nn.Module):
 
 
 @torch.no_grad()
-def topk_earlier(q, blocks, chunk_ids, k, noise=False):
+def topk_earlier(q, blocks, chunk_ids, k, noise=False, uniform=False):
     """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
     blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
     (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
-    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2).
+    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2);
+    uniform=True ranks by random numbers instead: k earlier chunks drawn uniformly.
     Scores are fp32 whatever the autocast: in bf16 (8 bits of mantissa) near-ties among a
     million chunks would be decided by rounding, and a stream decoded token by token would
     pick other chunks than the same stream run in one forward."""
@@ -308,7 +312,9 @@ def topk_earlier(q, blocks, chunk_ids, k, noise=False):
     for lm in blocks:  # (B, mb, C)
         with torch.autocast(q.device.type, enabled=False):  # fp32 even under bf16 autocast: see above
             s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, mb)
-        if noise:
+        if uniform:
+            s = torch.rand_like(s)
+        elif noise:
             s = s - torch.empty_like(s).exponential_().log()  # -log(Exp(1)) ~ Gumbel(0, 1)
         j = m0 + torch.arange(lm.size(1), device=q.device)
         s = s.masked_fill(j[None, None, :] >= chunk_ids[None, :, None], float("-inf"))  # strictly earlier
@@ -336,12 +342,33 @@ def retrieve(q, memory, chunk_ids, cfg, training):
     """Eq. 1 + Eq. 3 for one group. q (B, n, C): normalised states at n landmarks (chunks
     chunk_ids); memory: the ChunkMemory whose landmarks l_j are scored. Picks the top-k
     earlier chunks (of Gumbel-noised scores in training) and weights them from the CLEAN
-    scores, through which the retriever gets its gradient. -> idx (B, n, K) int64, w (B, n, K)."""
+    scores, through which the retriever gets its gradient. cfg.retriever="random" picks at random
+    (weights still Eq. 3 of their scores), "none" gives every pick weight 0.
+    -> idx (B, n, K) int64, w (B, n, K)."""
     noise = training and cfg.gumbel
-    idx, eligible = topk_earlier(q, memory.lm.views(), chunk_ids, cfg.topk, noise)
+    idx, eligible = topk_earlier(q, memory.lm.views(), chunk_ids, cfg.topk, noise, cfg.retriever == "random")
     r = (upcast(q).unsqueeze(2) * upcast(memory.landmarks_at(idx))).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
-    return idx, w
+    return idx, w * (cfg.retriever != "none")
+
+
+def retrieval_stats(records, K):
+    """Summary of the retrievals DRT.record collected, [(chunk ids (n,), idx (B, n, K), w (B, n, K))]:
+    the mean over landmarks with an earlier chunk of sum w (how much GCA reads), max w, the
+    entropy of w / sum w (log K: uniform over the picks) and the distance of the picks in chunks."""
+    sums, maxes, ents, dists = [], [], [], []
+    for t, idx, w in records:
+        ok = (torch.arange(K, device=w.device) < t.clamp(max=K)[:, None]).expand_as(w)  # eligible picks come first
+        keep = ok[..., 0]  # (B, n): landmarks with something to pick
+        w = w.float() * ok
+        p = w / w.sum(-1, keepdim=True).clamp(min=1e-30)
+        sums.append(w.sum(-1)[keep]), maxes.append(w.amax(-1)[keep])
+        ents.append(-(p * p.clamp(min=1e-30).log()).sum(-1)[keep])
+        dists.append((t[:, None] - idx).float()[ok])
+    if not sums:
+        return {}
+    cat = lambda xs: torch.cat(xs).mean().item()  # noqa: E731
+    return {"sum_w": cat(sums), "max_w": cat(maxes), "entropy": cat(ents), "distance": cat(dists)}
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -548,6 +575,7 @@ class DRT(nn.Module):
         self.ln_f = RMSNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
+        self.record = None  # a list to collect every retrieval into (retrieval_stats, sample.py --inspect), or None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual-branch outputs by depth
             if name.endswith(("c_proj.weight", "o_proj.weight")):
@@ -649,6 +677,8 @@ class DRT(nn.Module):
             if n_done:
                 at_landmarks = to_chunks(x, offset, S)[:, :n_done, S - 1]  # (B, n_done, C) this group's input there
                 made = retrieve(self.ret_norm[g](at_landmarks), memory, landmark_chunks, cfg, self.training)
+                if self.record is not None:
+                    self.record.append((landmark_chunks, *(t.detach() for t in made)))
             picks = read_one_chunk_later(state.picks[g], made, n_chunks)  # (idx, w) (B, n_chunks, K)
             mem = None
             if memory.M and c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing to read

@@ -16,6 +16,7 @@ GPU. Every argument is checked before the checkpoint loads, so a typo costs no l
 """
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -27,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from common import fmt_len, parse_lengths, peak_mem_gib
-from model import DRT, DRTConfig, window_reach
-from prepare_pg19 import GPT2_VOCAB, get_tokenizer
+from model import DRT, DRTConfig, retrieval_stats, window_reach
+from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
 from tasks import NAMES, TASKS, UNSEEN_NAMES, Haystack, make_example, score
 
 
@@ -186,7 +187,8 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
     device = next(model.parameters()).device
     align = None if args.no_align else model.config.chunk_size - 1
     names = multikey_names(args)
-    print(f"\n{task}: {args.samples} samples per length, {'offloaded' if args.offload else 'on-device'} memory, "
+    print(f"\n{task}, retrieval {model.config.retriever}: {args.samples} samples per length, "
+          f"{'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
           f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}"
           f"{', names unseen in training' if args.unseen_names and task == 'multikey' else ''}")
@@ -248,7 +250,7 @@ def copy_test(model, args, ctx, haystack=None):
     span longer than the stacked windows' reach, seen twice; the loss on its second pass, whose
     copy must come through retrieval and GCA. A model that copies predicts the repeats far better
     than pass 1; passkey can be learned without it (one fixed pattern: the number after "pass key
-    is"). Returns {span kind: [pass 1, 2, 3, far]}."""
+    is"). Returns {span kind: [pass 1, 2, 3, far pass 1, far pass 2]}."""
     device, cfg = next(model.parameters()).device, model.config
     L, L_far = copy_span(cfg), copy_far_span(cfg)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
@@ -260,10 +262,10 @@ def copy_test(model, args, ctx, haystack=None):
         return np.stack([haystack.sample(k, rng) for _ in range(n)])
 
     kinds = {"random tokens": random_rows} | ({"book text": book_rows} if haystack is not None else {})
-    print(f"\ncopying: {n} spans of {L} tokens, each seen 3 times in a row (pass 1-3), and {n} spans of {L_far} "
-          f"tokens seen twice (far: past the windows' reach); mean loss per pass (without a pass's first "
-          f"token, which no earlier occurrence predicts)")
-    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far':>8}"
+    print(f"\ncopying, retrieval {model.config.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
+          f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach); mean loss "
+          f"per pass (without a pass's first token, which no earlier occurrence predicts)")
+    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8}"
     print(header + "\n" + "-" * len(header))
 
     def pass_losses(span, passes, starts):  # span (n, k) repeated `passes` times -> mean loss after each start
@@ -276,9 +278,120 @@ def copy_test(model, args, ctx, haystack=None):
 
     losses = {}
     for name, rows in kinds.items():
-        losses[name] = pass_losses(rows(L), 3, [0, L, 2 * L]) + pass_losses(rows(L_far), 2, [L_far])
+        losses[name] = pass_losses(rows(L), 3, [0, L, 2 * L]) + pass_losses(rows(L_far), 2, [0, L_far])
         print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
+
+
+# -----------------------------------------------------------------------------
+# Language modelling over long documents: the loss by position, and what was retrieved
+
+
+BUCKETS = [0, 2**10, 2**12, 2**14, 2**16, 2**18, 2**20]  # position buckets 0-1K, 1K-4K, ..., 256K-1M, 1M+
+PPL_SEGMENT = 16384  # --ppl holds one segment's (segment, vocab) logits at a time: 3.3 GB in fp32 at GPT-2's vocabulary
+
+
+def read_docs(path, enc, max_tokens=None):
+    """--docs: [(name, token ids)]: each .txt of a folder, one .txt, or a .bin of prepare_pg19.py
+    cut at its <|endoftext|> tokens; each document at most max_tokens long."""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
+        if not files:
+            error(f"--docs {path}: no .txt files in that folder")
+    elif os.path.isfile(path) and path.endswith((".txt", ".bin")):
+        files = [path]
+    else:
+        error(f"--docs {path}: expected a folder of .txt files, a .txt file, or a .bin from prepare_pg19.py")
+    docs = []
+    for f in files:
+        if f.endswith(".bin"):
+            ids = np.fromfile(f, dtype=np.uint16).astype(np.int64)
+            cuts = np.flatnonzero(ids == EOT)
+            docs += [(f"{os.path.basename(f)}#{i}", d) for i, d in enumerate(np.split(ids, cuts)) if len(d)]
+            docs = [(name, d[1:] if d[0] == EOT else d) for name, d in docs]  # np.split keeps each cut in front
+        else:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                docs.append((os.path.basename(f), np.array(enc.encode_ordinary(fh.read()), dtype=np.int64)))
+    docs = [(name, d[:max_tokens]) for name, d in docs if len(d) >= 2]
+    if not docs:
+        error(f"--docs {path}: no document of 2 tokens or more")
+    return docs
+
+
+@torch.no_grad()
+def doc_nll(model, ids, args, ctx):
+    """The loss of every token of one document streamed from its start through a DecodeState, in
+    segments, as the long-context tests stream their prompts: (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
+    device = next(model.parameters()).device
+    x = torch.as_tensor(ids, dtype=torch.long, device=device)[None]  # (1, n)
+    state, seg, nll, t0 = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), [], time.time()
+    for s in range(0, x.size(1) - 1, seg):
+        y = x[:, s + 1 : s + seg + 1]  # (1, L) the next tokens
+        with ctx:
+            logits, _ = model(x[:, s : s + y.size(1)], y, state=state)  # (1, L, V)
+        nll.append(F.cross_entropy(logits[0].float(), y[0], reduction="none"))
+        if x.size(1) > 2**18 and time.time() - t0 > 10:
+            print(f"  {s + y.size(1):,}/{x.size(1) - 1:,} tokens, {(s + y.size(1)) / (time.time() - t0):,.0f} tok/s",
+                  flush=True)
+    return torch.cat(nll).cpu()
+
+
+def perplexity(model, docs, modes, args, ctx):
+    """--ppl: the mean loss and perplexity per position bucket over docs, for each retrieval mode,
+    and the retrieval statistics (model.retrieval_stats) beside. -> {mode: [(tokens, mean loss) per bucket]}."""
+    n_tok = sum(len(d) - 1 for _, d in docs)
+    print(f"\nperplexity by position: {len(docs)} document(s), {n_tok:,} tokens, each streamed from its first token "
+          f"in segments of {min(args.segment, PPL_SEGMENT):,}")
+    table, stats = {}, {}
+    for mode in modes:
+        model.config.retriever, model.record = mode, []
+        sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
+        for _, ids in docs:
+            nll = doc_nll(model, ids, args, ctx).double()
+            bucket = torch.bucketize(torch.arange(1, len(ids)), torch.tensor(BUCKETS), right=True) - 1  # of the predicted token
+            sums += torch.zeros_like(sums).index_add_(0, bucket, nll)
+            counts += torch.bincount(bucket, minlength=len(BUCKETS))
+        table[mode] = [(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
+        table[mode].append((int(counts.sum()), (sums.sum() / counts.sum()).item()))
+        stats[mode] = retrieval_stats(model.record, model.config.topk)
+    model.record = None
+    names = [f"{fmt_len(a)}-{fmt_len(b)}" for a, b in zip(BUCKETS, BUCKETS[1:])] + [f"{fmt_len(BUCKETS[-1])}+", "all"]
+    header = f"{'positions':>10} {'tokens':>10} " + " ".join(f"{'ppl ' + m:>12}" for m in modes)
+    print(header + "\n" + "-" * len(header))
+    for b, name in enumerate(names):
+        n = table[modes[0]][b][0]
+        if n:
+            print(f"{name:>10} {n:>10,} " + " ".join(f"{math.exp(table[m][b][1]):>12.2f}" for m in modes))
+    for m, st in stats.items():
+        if st:
+            print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
+                  f"(uniform over the picks: {math.log(model.config.topk):.2f}), mean distance {st['distance']:.1f} chunks")
+    return table
+
+
+@torch.no_grad()
+def inspect(model, enc, docs, at, args, ctx):
+    """--inspect: the paper's case studies (§4.4): for the chunk holding token `at` of the first
+    document, the chunks each group retrieved for it (at the landmark of the chunk before), as text,
+    with their weights and distances. -> [(group, [(chunk, weight)] by weight)]."""
+    name, ids = docs[0]
+    T = model.config.chunk_size - 1
+    c = min(at, len(ids) - 1) // T  # the chunk being predicted
+    if c < 2:
+        error(f"--at={at}: token {at} lies in chunk {c}; chunks 0 and 1 retrieve nothing: use --at >= {2 * T}")
+    show = lambda j: repr(enc.decode(ids[j * T : (j + 1) * T].tolist()))  # noqa: E731
+    state = model.new_state(offload=args.offload)
+    prefill(model, ids[: c * T], state, args.segment)  # through the landmark of chunk c-1
+    print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
+          f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
+    out = []
+    for g, (idx, w) in enumerate(state.picks):
+        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: min(c - 1, len(idx[0, 0]))]
+        print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}")
+        for j, wj in picks:
+            print(f"    w {wj:.3f}  chunk {j} ({c - 1 - j} back): {show(j)}")
+        out.append((g, picks))
+    return out
 
 
 def check_args(args):
@@ -301,6 +414,13 @@ def check_args(args):
         error(f"--device={args.device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
     if args.unseen_names and not args.multikey:
         error("--unseen_names: only multi-key has names: add --multikey")
+    if (args.ppl or args.inspect) and not args.docs:
+        error("--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        error(f"--max_tokens={args.max_tokens}: must be >= 2")
+    modes = (args.retrieval or "learned").split(",")
+    if any(m not in ("learned", "random", "none") for m in modes):
+        error(f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")
 
 
 def read_prompt(prompt):
@@ -374,9 +494,21 @@ def arg_parser():
     test.add_argument("--no_align", action="store_true",
                       help="do not cut prompts so that the question's last token opens a chunk (the default "
                       "format, as in training: then the landmark before the answer has read the question)")
+    test.add_argument("--retrieval", default=None,
+                      help="learned, random (uniformly random earlier chunks, weighted by Eq. 3) or none (weights 0: "
+                      "the window alone), or a comma list, each run in turn (None: as trained)")
     test.add_argument("--haystack", default=None,
                       help="real text as filler: a folder of .txt books or a .bin from prepare_pg19.py "
                       "(None: a repeated 'The grass is green.' filler)")
+    lm = p.add_argument_group("language modelling over long documents")
+    lm.add_argument("--ppl", action="store_true", help="perplexity by position over --docs, each document streamed "
+                    f"from its first token in segments (of at most {PPL_SEGMENT:,} tokens)")
+    lm.add_argument("--inspect", action="store_true",
+                    help="print what each group retrieved for the chunk at token --at of the first --docs document")
+    lm.add_argument("--docs", default=None,
+                    help="a folder of .txt (one document each), one .txt, or a .bin of prepare_pg19.py (its books)")
+    lm.add_argument("--max_tokens", type=int, default=None, help="--ppl: the first N tokens of each document only")
+    lm.add_argument("--at", type=int, default=4096, help="--inspect: the token whose chunk to show")
     return p
 
 
@@ -385,7 +517,8 @@ def main(argv=None):
     # every argument is checked before the checkpoint loads, which can take minutes
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
-    prompt = None if tasks or args.copying else read_prompt(args.prompt)
+    testing = tasks or args.copying or args.ppl or args.inspect
+    prompt = None if testing else read_prompt(args.prompt)
     try:
         enc = get_tokenizer(args.tokenizer_file)
     except (OSError, RuntimeError) as e:
@@ -399,6 +532,7 @@ def main(argv=None):
         check_lengths(tasks, lengths, args.samples, args.seed, enc, names=multikey_names(args))
     if (tasks or args.copying) and args.haystack:
         haystack = load_haystack(args.haystack, enc)  # once, for every test
+    docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None
 
     torch.manual_seed(args.seed)
     model, ckpt = load_checkpoint(args.ckpt or args.out_dir, args.device)
@@ -408,14 +542,21 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     ctx = torch.autocast(device_type, dtype=dtype) if device_type == "cuda" and dtype != torch.float32 else nullcontext()
 
-    if args.copying or tasks:
-        if args.copying:
-            copy_test(model, args, ctx, haystack)
+    if testing:
         if tasks and not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
             check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1,
                           multikey_names(args))
-        for task in tasks:
-            run_task(model, enc, task, lengths, args, ctx, haystack)
+        modes = args.retrieval.split(",") if args.retrieval else [model.config.retriever]
+        if args.ppl:
+            perplexity(model, docs, modes, args, ctx)
+        for mode in modes:
+            model.config.retriever = mode
+            if args.inspect:
+                inspect(model, enc, docs, args.at, args, ctx)
+            if args.copying:
+                copy_test(model, args, ctx, haystack)
+            for task in tasks:
+                run_task(model, enc, task, lengths, args, ctx, haystack)
         return
 
     ids = enc.encode_ordinary(prompt) or [enc.eot_token]

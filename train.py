@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tasks
 from common import fmt_time, peak_flops, peak_mem_gib
-from model import DRT, DRTConfig, window_reach
+from model import DRT, DRTConfig, retrieval_stats, window_reach
 from prepare_pg19 import GPT2_VOCAB, get_tokenizer
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A), one home each -----
@@ -77,6 +77,7 @@ stop_iter = 0  # stop and save after this step without changing the schedule (a 
 dataset = "pg19"  # a folder data/<dataset> with meta.json (prepare_pg19.py), or passkey|multikey|vartrack (tasks.py), or a comma list of them (one drawn per prompt)
 data_dir = ""  # folder of the prepared dataset; "" = data/<dataset>
 copy_frac = 0.0  # text datasets: the fraction of training rows that are a random span repeated to the row's end, half within the window, half past its reach (copy_row): copying, which answering by a name builds on and a pre-training on few books does not learn (sample.py --copying measures it); the logged training loss then includes these rows, evaluation never does
+repeat_frac = 0.0  # text datasets: the fraction of training rows in which a passage of 63-504 tokens recurs more than the windows' reach later (repeat_passage): a repeat only retrieval can predict, to see the retriever learn from the next-token loss
 task_min_depth = 0  # synthetic tasks: needles no earlier than this token, so the first chunks (told apart by having no past) never hold one and "retrieve the oldest chunks" cannot pass for retrieval
 task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teaches copying from scratch), 'answer' = on the answer only; evaluation always scores the answer
 task_haystack = ""  # synthetic tasks: real text to hide the needles in, a .bin of prepare_pg19.py (e.g. data/pg19/train.bin); "" = the repeated sentences only
@@ -196,6 +197,9 @@ def check_config(config):
         (c.tokens_per_step < 0 or c.grad_clip < 0, "tokens_per_step and grad_clip must be >= 0"),
         (not 0 <= c.task_haystack_frac <= 1, f"task_haystack_frac={c.task_haystack_frac} must lie in [0, 1]"),
         (not 0 <= c.copy_frac <= 1, f"copy_frac={c.copy_frac} must lie in [0, 1]"),
+        (not 0 <= c.repeat_frac <= 1, f"repeat_frac={c.repeat_frac} must lie in [0, 1]"),
+        (c.repeat_frac and is_tasks(c.dataset), f"repeat_frac={c.repeat_frac} repeats passages of a text dataset; "
+                                                 f"--dataset={c.dataset} is synthetic tasks"),
         (c.copy_frac and is_tasks(c.dataset),
          f"copy_frac={c.copy_frac} mixes copy rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
@@ -449,6 +453,8 @@ class Data:
             data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
             rows = [np.asarray(data[s : s + c.block_size + 1], dtype=np.int64)
                     for s in (rng.randrange(n - c.block_size) for _ in range(c.batch_size))]
+            if training and c.repeat_frac:
+                rows = [repeat_passage(r, rng, self.reach) if rng.random() < c.repeat_frac else r for r in rows]
             if training and c.copy_frac:
                 rows = [copy_row(len(r), rng, self.vocab, self.reach) if rng.random() < c.copy_frac else r
                         for r in rows]
@@ -470,6 +476,20 @@ def copy_row(n, rng, vocab, reach):
     far = rng.random() < 0.5 and n - 108 > reach + 8  # room for a far span and a repeat of >= 108 tokens
     L = rng.randrange(reach + 8, n - 108) if far else rng.randrange(24, 101)
     return np.resize(np.array([rng.randrange(vocab) for _ in range(L)], dtype=np.int64), n)
+
+
+def repeat_passage(row, rng, reach):
+    """The row (n,) of text with a passage of 63-504 tokens (1-8 chunks, as the row allows) copied over a later part
+    of it, more than `reach` tokens after its first reading: no chain of self-attention windows
+    links the two, so only retrieval (top-k chunks, then GCA) can predict the repeat from it."""
+    if len(row) < 2 * 63 + reach + 8:
+        return row
+    P = rng.randrange(63, min(504, (len(row) - reach - 8) // 2) + 1)
+    a = rng.randrange(len(row) - 2 * P - reach - 7)
+    b = rng.randrange(a + P + reach + 8, len(row) - P + 1)
+    row = row.copy()
+    row[b : b + P] = row[a : a + P]
+    return row
 
 
 def step_rng(*parts):
@@ -497,6 +517,24 @@ def progress(t0, text):
     if now - max(t0, SAID["at"]) > PROGRESS_AFTER:
         log(f"{text} after {fmt_time(now - t0)}")
         SAID["at"] = now
+
+
+@torch.no_grad()
+def retrieval_health(model, data, c, autocast):
+    """The retrieval statistics (model.retrieval_stats) on the first validation micro-batch, from the
+    uncompiled model: a retriever whose weights all go to 0 has died, one whose max w stays 1/K is
+    not selective. {} for the baseline."""
+    if not c.groups:
+        return {}
+    x, y = data.batch("val", step_rng(c.seed, "val", "eval", 0))
+    model.eval()
+    model.record = []
+    with autocast:
+        model(x, y, return_logits=False)
+    stats = retrieval_stats(model.record, c.topk)
+    model.record = None
+    model.train()
+    return stats
 
 
 @torch.no_grad()
@@ -653,9 +691,10 @@ def train(c, explicit, ckpt, device, ddp, rank, world_size, again):
         STOP.arm()  # a step boundary: our handler, whatever a compile during the last step installed
         if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
             t_eval = time.time()
-            losses = estimate_loss(eval_model, data, c, autocast)
+            losses, ret = estimate_loss(eval_model, data, c, autocast), retrieval_health(raw_model, data, c, autocast)
             log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {math.exp(losses['train']):.2f}), "
-                f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})")
+                f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})"
+                + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else ""))
             improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
             if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
                 save(iter_num, losses["val"])  # the last step too: out_dir must end up holding this run
