@@ -676,6 +676,32 @@ def test_loss_without_logits(ce_rows, monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+def test_loss_without_grad_makes_no_gradients(monkeypatch):
+    """LinearCrossEntropy makes only the gradients a backward will use: under no_grad (evaluation)
+    one matmul per chunk of rows, the same loss; dw alone (x needs no grad) two; both three."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            return func(*args, **(kwargs or {}))
+
+    def matmuls(x, w, grad=True):
+        with torch.set_grad_enabled(grad), CountMatmuls() as count:
+            loss = drt.linear_cross_entropy(x, w, targets)
+        return count.n, loss
+
+    monkeypatch.setattr(drt, "CE_ROWS", 16)  # 40 rows: 3 chunks
+    x, w = torch.randn(40, 8, dtype=torch.float64), torch.randn(96, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 96, (40,))
+    (n_eval, eval_loss), (n_dw, _), (n_both, loss) = matmuls(x, w, False), matmuls(x, w), matmuls(x.requires_grad_(), w)
+    assert (n_eval, n_dw, n_both) == (3, 6, 9)
+    torch.testing.assert_close(eval_loss, loss)
+    torch.testing.assert_close(eval_loss, F.cross_entropy(x @ w.t(), targets))
+
+
 def test_compile_whole_model():
     """torch.compile takes the whole training step as one graph (fullgraph: a break raises) with no
     warning from the compiler, and computes what eager computes. backend="aot_eager" traces and
