@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import common
 from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, window_reach
 from prepare_pg19 import GPT2_VOCAB, get_tokenizer
@@ -44,14 +45,9 @@ def load_checkpoint(path, device):
     if not os.path.isfile(path):
         error(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a file cut short or not torch's fails as a zip, pickle, EOF or even KeyError
-        why = str(e).strip().splitlines()[0] if str(e).strip() else "no detail"
-        error(f"cannot read {path} as a checkpoint ({type(e).__name__}: {why}): the file is cut short or "
-              f"not a train.py ckpt.pt; copy it again, or point --out_dir/--ckpt at another")
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        error(f"{path} holds a {type(ckpt).__name__}, not a train.py checkpoint (a dict with 'model' and "
-              f"'model_args'): point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
+        ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
+    except common.CheckpointError as e:
+        error(e)
     try:
         cfg = DRTConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:

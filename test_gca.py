@@ -1839,10 +1839,36 @@ def test_sample_broken_checkpoint(kind, tmp_path, monkeypatch):
     else:
         whole = Path(tiny_checkpoint(path)).read_bytes()
         path.write_bytes({"text": b"not a checkpoint\n", "empty": b"", "half": whole[: len(whole) // 2]}[kind])
-    message = ".* holds a Tensor, not a train.py checkpoint" if kind == "tensor" else "cannot read .* as a checkpoint"
-    with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
+    message = "is not a train.py checkpoint" if kind == "tensor" else "is truncated or not a torch checkpoint"
+    with pytest.raises(SystemExit, match="^sample.py: error: .*" + message) as e:
         sample.main([f"--out_dir={tmp_path}", "--prompt=Hi", "--device=cpu"])
     assert "\n" not in e.value.code
+
+
+class RunsCode:
+    """Unpickled, it would make the folder `path`: what a ckpt.pt from anywhere could do with pickle."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path, monkeypatch):
+    """A ckpt.pt whose pickle would run code is refused, unrun, by sample.py and train.py alike
+    (both load through common.load_checkpoint, weights_only)."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    (tmp_path / "run").mkdir()
+    ckpt = torch.load(tiny_checkpoint(tmp_path / "run" / "ckpt.pt"))
+    ran = tmp_path / "code-ran"
+    torch.save({**ckpt, "model": RunsCode(str(ran))}, tmp_path / "run" / "ckpt.pt")
+    with pytest.raises(SystemExit, match=r"^sample.py: error: .*ckpt.pt holds Python objects .* could run code"):
+        sample.main([f"--out_dir={tmp_path / 'run'}", "--prompt=Hi", "--device=cpu"])
+    with pytest.raises(train.ConfigError, match=r"ckpt.pt holds Python objects .* could run code"):
+        train.main(tiny_args(tmp_path, "ft", f"--init_from={tmp_path / 'run'}"))
+    assert not ran.exists()
 
 
 def test_sample_help(capsys):

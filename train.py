@@ -33,7 +33,6 @@ import inspect
 import json
 import math
 import os
-import pickle
 import random
 import re
 import runpy
@@ -58,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import common
 import tasks
 from common import fmt_time, peak_flops, peak_mem_gib
 from model import DRT, DRTConfig, window_reach
@@ -211,17 +211,11 @@ def check_config(config):
 
 
 def load_checkpoint(path, fix):
-    """train.py's checkpoint at path, on the CPU (load_state_dict moves it), or a one-line ConfigError
-    ending in fix. weights_only: tensors and plain values are all a train.py checkpoint holds."""
+    """common.load_checkpoint, its error a ConfigError."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ConfigError(f"{path} holds Python objects a train.py checkpoint never has: {fix}") from None
-    except Exception:  # a truncated zip, a text file, an empty file: each fails its own way
-        raise ConfigError(f"{path} is truncated or not a torch checkpoint: {fix}") from None
-    if not isinstance(ckpt, dict) or not {"model_args", "model"} <= ckpt.keys():
-        raise ConfigError(f"{path} is not a train.py checkpoint (no model_args/model): {fix}")
-    return ckpt
+        return common.load_checkpoint(path, fix)
+    except common.CheckpointError as e:
+        raise ConfigError(e) from None
 
 
 def save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, val_loss, tokens_per_step):
