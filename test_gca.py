@@ -1028,8 +1028,11 @@ def test_overrides():
     (["--block_size=0"], r"block_size=0 must be a positive int"),
     (["config/nothing.py"], r"config file config/nothing.py not found"),
     (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac=0.5 mixes copy rows into a text dataset; --dataset=passkey is"),
+    (["--device=tpu"], r"^device='tpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'$"),
+    (["--dataset=passkey,nope"], r"^dataset='passkey,nope': a comma list is of synthetic tasks, each one of passkey, "),
+    (["--learning_rate=-1"], r"^learning_rate=-1.0 must be >= 0$"),
 ], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file",
-        "copy-rows-in-tasks"])
+        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr"])
 def test_config_errors(argv, message):
     with pytest.raises(train.ConfigError, match=message):
         train.main(argv)
@@ -1040,6 +1043,32 @@ def test_config_file_unknown_key(tmp_path):
     path.write_text("import math\nbatch_size = 2\nn_emdb = 64\n")
     with pytest.raises(train.ConfigError, match=r"bad.py: unknown key 'n_emdb' \(did you mean n_embd\?\)"):
         train.main([str(path)])
+    path.write_text("batch_size = 2\nn_embd = (64\n")
+    with pytest.raises(train.ConfigError, match=r"^config file .*bad.py does not run \(SyntaxError: .*line 2.*\): fix it$"):
+        train.main([str(path)])
+
+
+def test_data_checked_before_anything(tmp_path):
+    """A meta.json that is not one, a .bin cut to an odd byte count, ids past the vocabulary in
+    val.bin (sampled from its first to its last token): one line each, before a model is built or
+    out_dir made."""
+    def fails(message, **change):
+        data = Path(tiny_dataset(tmp_path / "data"))
+        for name, edit in change.items():
+            path = data / name
+            path.write_bytes(edit(path.read_bytes()))
+        with pytest.raises(train.ConfigError, match=message):
+            train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+        assert not (tmp_path / "out").exists()
+
+    fails(r"meta.json is not a meta.json of prepare_pg19.py \(JSON with an int vocab_size\): prepare the data again",
+          **{"meta.json": lambda b: b[:-1]})
+    fails(r"meta.json is not a meta.json", **{"meta.json": lambda b: b'{"vocab_size": "95"}'})
+    fails(r"train.bin has an odd number of bytes \(9,999\), so it is not uint16 token ids: prepare the data again",
+          **{"train.bin": lambda b: b[:-1]})
+    fails(r"val.bin holds token id 60000, outside vocab_size=95 of its meta.json: prepare the data again",
+          **{"val.bin": lambda b: b[:-2] + np.uint16(60000).tobytes()})
+    train.main(tiny_args(tmp_path, "out", "--max_iters=1", "--eval_iters=1"))  # the data as made: it trains
 
 
 def test_setup_errors(tmp_path):
@@ -1122,6 +1151,8 @@ def test_resume_restores_config(tmp_path, capsys):
 
 def test_resume_conflicting_model(tmp_path):
     train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    with pytest.raises(train.ConfigError, match=r"ckpt.pt is at step 1, past max_iters=0: pass --max_iters above 1"):
+        train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", "--max_iters=0"])
     with pytest.raises(train.ConfigError, match=r"has n_embd=32, the config asks 64: drop --n_embd .* or start a new out_dir"):
         train.main(tiny_args(tmp_path, "run", "--init_from=resume", "--n_embd=64", "--max_iters=2"))
     # model keys left out are taken from the checkpoint
