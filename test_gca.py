@@ -2093,11 +2093,46 @@ def test_prepare_errors(tmp_path, monkeypatch):
 
     (src / "test" / "4.txt").write_text("fine now")
     (tmp_path / "a_file").write_text("")
+    for out in ("a_file", "a_file/out"):
+        with pytest.raises(ValueError, match=r"output folder .*a_file(/out)? is a file, or inside one: pass --out"):
+            prepare_pg19.prepare(str(src), str(tmp_path / out), **quiet)
     with pytest.raises(ValueError, match="not writable"):  # works as root too, unlike chmod
-        prepare_pg19.prepare(str(src), str(tmp_path / "a_file" / "out"), **quiet)
+        prepare_pg19.prepare(str(src), "/proc/out", **quiet)
+    for flag in ("--num_proc=0", "--num_proc=-1", "--download_workers=0"):
+        with pytest.raises(SystemExit, match=rf"^prepare_pg19.py: error: {flag}: must be >= 1$"):
+            prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "out"), flag])
+    with pytest.raises(SystemExit, match=r"^prepare_pg19.py: error: GPT-2 ranks file .*README.md \(from "
+                                         r"--tokenizer_file or DRT_GPT2_RANKS\) is not a tiktoken ranks file"):
+        prepare_pg19.main(["--source", str(src), "--tokenizer_file", os.path.join(HERE, "README.md")])
 
     with pytest.raises(SystemExit, match="no_such_dir"):  # the CLI turns errors into one clear line
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_prepare_ctrl_c(tmp_path, monkeypatch):
+    """Ctrl-C (to the whole process group, as a terminal sends it) while the workers tokenize: one
+    line, no traceback from the main process or a worker, exit 130, the old dataset as it was."""
+    _tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {i: "Some perfectly fine text. " * 200 for i in range(1, 9)},
+                       "validation": {1: "v"}, "test": {1: "t"}})
+    prepare_pg19.prepare(str(src), str(out), num_proc=2, log=lambda s: None)
+    before = _files(out)
+    slow = ("import signal, sys, time, prepare_pg19 as p\nencode = p._encode_book\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as from a terminal (a background job ignores it)
+            "def _encode_book(path):\n    time.sleep(0.5)\n    return encode(path)\n"
+            "_encode_book.__module__ = 'prepare_pg19'\np._encode_book = _encode_book\np.main(sys.argv[1:])")
+    proc = start_run([sys.executable, "-c", slow, "--source", str(src), "--out", str(out), "--num_proc=2"])
+    try:
+        read_until(proc.stdout, r"check: ")  # then 5 s of tokenizing
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode == 130 and err.strip().count("\n") == 0, err
+    assert re.match(r"prepare_pg19.py: interrupted: .*out keeps the dataset it had", err), err
+    assert _files(out) == before
 
 
 def test_prepare_failed_rerun_keeps_old_dataset(tmp_path, monkeypatch):
