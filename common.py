@@ -14,6 +14,8 @@ import resource
 import sys
 import zipfile
 
+import numpy as np
+
 # dense bf16 tensor-core peak FLOP/s by device name (the first key found in the name wins: PCIe first)
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
 
@@ -43,6 +45,13 @@ def parse_lengths(text):
     if not lengths:
         raise ValueError(f"--lengths={text!r}: expected a list like 4K,16K,1M or 4096,16384")
     return lengths
+
+
+def max_token_id(tokens, windows=256, width=4096):
+    """The largest id in a sample of a token array (`windows` runs of `width` ids, from its first
+    id to its last): a check that a .bin of any size holds ids of the vocabulary, in milliseconds."""
+    w = min(len(tokens), width)
+    return max(int(tokens[s : s + w].max()) for s in np.linspace(0, len(tokens) - w, windows, dtype=np.int64))
 
 
 def peak_flops(device):

@@ -467,16 +467,14 @@ class Data:
 
 def check_bin(path, vocab, block_size, fix):
     """The token count of a split's .bin, checked before any model is built or folder made: whole
-    uint16 ids, enough for a row, and on a sample (256 windows from its first to its last token)
-    all below the vocabulary; else a ConfigError."""
+    uint16 ids, enough for a row, and on a sample all below the vocabulary; else a ConfigError."""
     size = os.path.getsize(path)
     if size % 2:
         raise ConfigError(f"{path} has an odd number of bytes ({size:,}), so it is not uint16 token ids: {fix}")
     n = size // 2
     if n < block_size + 1:
         raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={block_size + 1:,}; lower --block_size")
-    data, w = np.memmap(path, dtype=np.uint16, mode="r"), min(n, 4096)
-    top = max(int(data[s : s + w].max()) for s in np.linspace(0, n - w, 256, dtype=np.int64))
+    top = common.max_token_id(np.memmap(path, dtype=np.uint16, mode="r"))
     if top >= vocab:
         raise ConfigError(f"{path} holds token id {top}, outside vocab_size={vocab} of its meta.json: {fix}")
     return n
