@@ -64,6 +64,15 @@ def peak_flops(device):
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
+def available_mem():
+    """Bytes of host memory available to a new allocation (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def peak_mem_gib(device="cpu"):
     """Peak memory in GiB: on a GPU the most torch allocated there (since the last
     torch.cuda.reset_peak_memory_stats), else this process's peak resident host memory."""

@@ -1690,7 +1690,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
             super().__init__()
             self.w, self.reach = torch.nn.Parameter(torch.zeros(1)), reach
 
-        def forward(self, idx, targets):
+        def forward(self, idx, targets, return_logits=True):
             n, T = idx.shape
             logits = torch.zeros(n, T, 50304)
             logits[:, :, 50257:] = -1e9  # V = 50257 live tokens: a uniform guess costs ln(V)
@@ -1700,7 +1700,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
                     for t in range(back, T):
                         seen = idx[:, t - back] == idx[:, t]
                         logits[seen, t, idx[seen, t - back + 1]] = 1e4 * (1 + (back == L_far))
-            return logits, None
+            return None, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     args, ctx, lnV = SimpleNamespace(seed=0, samples=2), torch.autocast("cpu", enabled=False), math.log(50257)
     assert sample.copy_far_span(Induction.config) == 392  # 3 layers x 128 positions + 8
@@ -1718,6 +1718,33 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){4})$", capsys.readouterr().out, re.M)
     assert [r[0] for r in rows] == ["random tokens", "book text"]
     assert all(4 < float(v) < 20 for _, vals in rows for v in vals.split())  # an untrained model: no copying
+
+
+def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
+    """--copying scores each pass through the chunked loss: no (spans, tokens, vocab) logits are
+    ever held (13 GB on the quick start's model), and a long test says how far it got."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.numel = max([self.numel] + [t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                                             if isinstance(t, torch.Tensor)])
+            return out
+
+    monkeypatch.setattr(drt, "CE_ROWS", 64)
+    monkeypatch.setattr(sample, "PROGRESS_AFTER", -1)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")  # far spans of 264 tokens, read twice
+    with Largest() as largest:
+        sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=4", "--device=cpu"])
+    assert largest.numel <= 64 * 50304 < 4 * 527 * 50304 // 8
+    assert len(re.findall(r"^  random tokens: \d+-token spans, pass \d of \d done after \d+s$",
+                          capsys.readouterr().out, re.M)) == 4
 
 
 def test_sample_show_misses(tmp_path, monkeypatch, capsys):
@@ -1794,6 +1821,12 @@ BAD_SAMPLE_ARGS = [
     (["--device=cuda"], r"--device=cuda: no CUDA GPU here: pass --device=cpu"),
     (["--device=gpu0"], r"--device=gpu0: expected cpu, cuda or cuda:N"),
     (["--passkey", "--unseen_names"], r"--unseen_names: only multi-key has names: add --multikey"),
+    (["--passkey", "--lengths=4K,100M"], r"--lengths: 100M tokens is past the 64M this harness supports"),
+    (["--copying", "--lengths=4K"], r"--lengths=4K: --copying has spans of its own lengths; --lengths is for --passkey"),
+    (["--dtype=float16"], r"--dtype=float16: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
+    (["--tokenizer_file={tmp}/junk.tiktoken"], r"GPT-2 ranks file .*junk.tiktoken \(from --tokenizer_file or "
+                                                r"DRT_GPT2_RANKS\) is not a tiktoken ranks file"),
+    (["--passkey", "--haystack={tmp}/ids.bin"], r"--haystack .*ids.bin: token id 60000 is past GPT-2's 50257 ids"),
 ]
 
 
@@ -1804,10 +1837,29 @@ def test_sample_bad_arguments(argv, message, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     (tmp_path / "empty").mkdir()
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    np.arange(60001 - 5000, 60001, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    (tmp_path / "junk.tiktoken").write_text("not a ranks file\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
         sample.main([f"--ckpt={tmp_path / 'none.pt'}", *argv])
     assert "\n" not in str(e.value.code)
+
+
+def test_sample_memory_check(tmp_path, monkeypatch, capsys):
+    """A length whose chunk keys/values (2*d*4 bytes per text token in fp32, x 64/63) cannot fit
+    in the memory available is refused before any prompt runs."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")  # d=32, chunks of 64
+    need = 2**20 * 2 * 32 * 4 * 64 / 63
+    monkeypatch.setattr(common, "available_mem", lambda: need - 1e6)
+    with pytest.raises(SystemExit, match=rf"^sample.py: error: --lengths: a 1M-token prompt holds {need / 1e9:.2f} GB "
+                                         rf"of chunk keys/values in host memory, and {(need - 1e6) / 1e9:.2f} GB are "
+                                         r"available: use shorter lengths$"):
+        sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=1K,1M", "--samples_per_length=1", "--device=cpu"])
+    assert "passkey:" not in capsys.readouterr().out  # no test began
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=1K", "--samples_per_length=1", "--device=cpu"])
+    assert re.search(r"^\s+1K\s+1\s", capsys.readouterr().out, re.M)
 
 
 def test_sample_shortest_length(tmp_path, monkeypatch, capsys):
