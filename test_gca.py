@@ -2367,7 +2367,10 @@ def test_download_max_books_then_prepare(tmp_path, monkeypatch, capsys, fake_buc
     (["--long", "--lengths=4Q"], "--lengths='4Q': expected a list"),
     (["--long", "--n_embd=100"], "--n_embd=100: must be a multiple of 64"),
     (["--train", "--model=n_embd=64"], "--model='n_embd=64': expected a dict"),
-], ids=["nothing to do", "steps", "rep", "lengths", "n_embd", "model"])
+    (["--long", "--lengths=0", "--device=cpu"], "--lengths=0: every length must be at least 1 token"),
+    (["--train", "--model={'nope': 1}", "--device=cpu"], "--model: 'nope' cannot be set: give DRTConfig's fields but"),
+    (["--train", "--model={'groups': ()}", "--device=cpu"], "--model: 'groups' cannot be set"),
+], ids=["nothing to do", "steps", "rep", "lengths", "n_embd", "model", "lengths-zero", "model-key", "model-case-key"])
 def test_bench_usage_errors(argv, message, capsys):
     import bench
     with pytest.raises(SystemExit) as e:
