@@ -6,7 +6,7 @@ the FlashGCA kernel (gca_kernel.py) against it -> the model end to end -> the st
 (decoding, prefill, offload) -> training (train.py) -> long-context tasks and sampling (tasks.py,
 sample.py) -> data preparation (prepare_pg19.py) -> the benchmarks (bench.py).
 
-    python -m pytest -q test_gca.py            # CPU: the kernel runs under TRITON_INTERPRET=1
+    python -m pytest -q -rs test_gca.py        # CPU: the kernel runs under TRITON_INTERPRET=1; -rs: why tests skip
     python -m pytest -q test_gca.py -k "cuda or flash_gca"  # on a GPU: the kernel natively (and in bf16), the GPU paths
 
 Every test draws fresh random inputs; models are tiny so the file runs in minutes on 2 cores.
@@ -2020,6 +2020,19 @@ def test_tokenizer_offline_message(monkeypatch, capsys):
         prepare_pg19.main(["--help"])
     help_text = capsys.readouterr().out
     assert "r50k_base.tiktoken" in help_text and "--max_books" in help_text and "shared" not in help_text
+
+
+def test_readme_setup():
+    """The README's install block runs in order on a CPU (torch's CPU build before the requirements),
+    its test command is CI's and shows why tests skip, it names the variables that enable tests
+    offline, and its local-copy quick start keeps --max_books."""
+    readme, ci = (Path(HERE) / "README.md").read_text(), (Path(HERE) / ".ci" / "run").read_text()
+    block = re.search(r"## Install.*?```bash\n(.*?)```", readme, re.S)[1].splitlines()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in block[0] and "requirements.txt" in block[1]
+    test_cmd = next(line.split("#")[0].strip() for line in block if line.startswith("python -m pytest"))
+    assert "-rs" in test_cmd and re.search(rf"^{re.escape(test_cmd)}$", ci, re.M)
+    assert "DRT_GPT2_RANKS" in readme and "DRT_PG19_SAMPLE" in readme
+    assert "--source /path/to/pg19 --out data/pg19 --max_books=20" in readme
 
 
 def test_prepare_fmt_time():
