@@ -24,6 +24,7 @@ measures it. Without a GPU, --train and --long run at toy sizes with --device=cp
 
 import argparse
 import ast
+import dataclasses
 import functools
 import math
 import time
@@ -315,7 +316,8 @@ def main(argv=None):
     if args.n_embd < 64 or args.n_embd % 64:
         p.error(f"--n_embd={args.n_embd}: must be a multiple of 64 (heads of 64)")
     try:
-        parse_lengths(args.lengths)
+        if min(parse_lengths(args.lengths)) < 1:
+            p.error(f"--lengths={args.lengths}: every length must be at least 1 token")
     except ValueError as e:
         p.error(e)
     try:
@@ -324,6 +326,14 @@ def main(argv=None):
         overrides = None
     if not isinstance(overrides, dict):
         p.error(f"--model={args.model!r}: expected a dict of DRTConfig fields, e.g. \"{{'n_embd': 64}}\"")
+    settable = {f.name for f in dataclasses.fields(DRTConfig)} - {"groups", "n_lower"}  # each case sets those
+    if wrong := sorted(set(overrides) - settable):
+        p.error(f"--model: {', '.join(map(repr, wrong))} cannot be set: give DRTConfig's fields but groups and "
+                f"n_lower, which each --train case sets")
+    try:
+        DRTConfig(**overrides)
+    except (TypeError, ValueError) as e:
+        p.error(f"--model={args.model!r}: {e}")
     args.model = overrides
     try:
         dev = torch.device(args.device)

@@ -1,15 +1,20 @@
 """
 Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
-formatting, the --lengths parser, a GPU's peak FLOP/s (for MFU) and peak memory. Not run on its own.
+formatting, the --lengths parser, a GPU's peak FLOP/s (for MFU) and peak memory, the checkpoint
+loader. Not run on its own.
 
-    from common import fmt_time, parse_lengths, peak_flops, peak_mem_gib
+    from common import fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib
 
 torch is imported inside the functions that use it, so prepare_pg19.py and its worker
 processes, which need only fmt_time, do not load it.
 """
 
+import pickle
 import resource
 import sys
+import zipfile
+
+import numpy as np
 
 # dense bf16 tensor-core peak FLOP/s by device name (the first key found in the name wins: PCIe first)
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
@@ -42,6 +47,13 @@ def parse_lengths(text):
     return lengths
 
 
+def max_token_id(tokens, windows=256, width=4096):
+    """The largest id in a sample of a token array (`windows` runs of `width` ids, from its first
+    id to its last): a check that a .bin of any size holds ids of the vocabulary, in milliseconds."""
+    w = min(len(tokens), width)
+    return max(int(tokens[s : s + w].max()) for s in np.linspace(0, len(tokens) - w, windows, dtype=np.int64))
+
+
 def peak_flops(device):
     """bf16 dense peak FLOP/s of one GPU by its name, or None (a CPU, an unknown GPU: MFU n/a)."""
     import torch
@@ -50,6 +62,15 @@ def peak_flops(device):
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def available_mem():
+    """Bytes of host memory available to a new allocation (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def peak_mem_gib(device="cpu"):
@@ -61,3 +82,24 @@ def peak_mem_gib(device="cpu"):
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that cannot be used: one line, which the scripts show without a traceback."""
+
+
+def load_checkpoint(path, fix):
+    """train.py's checkpoint at path, on the CPU, or a one-line CheckpointError ending in fix.
+    weights_only: a ckpt.pt holds tensors and plain values (its config as dicts, lists, numbers,
+    strings), so any other object is refused unread, and a file from anywhere runs no code."""
+    import torch
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, a text file, an empty file: each fails its own way
+        if isinstance(e, pickle.UnpicklingError) and zipfile.is_zipfile(path):  # whole, but not weights alone
+            raise CheckpointError(f"{path} holds Python objects a train.py checkpoint never has (refused: "
+                                  f"loading them could run code): {fix}") from None
+        raise CheckpointError(f"{path} is truncated or not a torch checkpoint: {fix}") from None
+    if not isinstance(ckpt, dict) or not {"model_args", "model"} <= ckpt.keys():
+        raise CheckpointError(f"{path} is not a train.py checkpoint (no model_args/model): {fix}")
+    return ckpt

@@ -523,16 +523,20 @@ class LinearCrossEntropy(torch.autograd.Function):
     never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
     three times that with their fp32 softmax and gradient). The forward takes each chunk's
     gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
-    onehot); the backward only scales them. Matmuls follow autocast, sums are fp32. Compiled,
-    the gradient comes out of one fused pass from bf16 logits to bf16 (an fp32 gradient cast later
-    for the matmuls cost 1.6 ms more per 16,380 tokens on an H200); eager, it is made in place."""
+    onehot), only those a backward will use (none under no_grad: an evaluation costs one
+    matmul, not three); the backward only scales them. Matmuls follow autocast, sums are fp32.
+    Compiled, the gradient comes out of one fused pass from bf16 logits to bf16 (an fp32 gradient
+    cast later for the matmuls cost 1.6 ms more per 16,380 tokens on an H200); eager, it is made
+    in place."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets):
+    def forward(ctx, x, weight, targets, grad_enabled):
+        want_dx, want_dw = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         acc = torch.promote_types(weight.dtype, torch.float32)  # fp32, or fp64 in the tests
         n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
         loss = x.new_zeros((), dtype=acc)
-        dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=acc)
+        dx = torch.empty_like(x) if want_dx else None
+        dw = torch.zeros_like(weight, dtype=acc) if want_dw else None
         for s in range(0, x.size(0), CE_ROWS):
             xs, ts = x[s : s + CE_ROWS], targets[s : s + CE_ROWS]
             logits = xs @ weight.t()  # (rows, V), bf16 under autocast
@@ -540,14 +544,18 @@ class LinearCrossEntropy(torch.autograd.Function):
             valid, hit = (ts != -1).to(acc)[:, None], ts.clamp(min=0)[:, None]  # (rows, 1) each
             lse = z.logsumexp(-1, keepdim=True)  # (rows, 1)
             loss += ((lse - z.gather(1, hit)) * valid).sum()
+            if not (want_dx or want_dw):
+                continue
             if torch.compiler.is_compiling():  # the one-hot as a comparison: one fused pass, cast included
                 onehot = torch.arange(z.size(1), device=z.device) == hit  # (rows, V)
                 g = ((z - lse).exp() - onehot.to(acc)) * valid
             else:  # eager: in place, one (rows, V) buffer (on a CPU big temporaries cost more than the math)
                 g = (z - lse).exp_().scatter_add_(1, hit, -valid).mul_(valid)
             g = g.to(logits.dtype)  # d loss_sum / d logits
-            dx[s : s + CE_ROWS] = g @ weight
-            dw += g.t() @ xs
+            if want_dx:
+                dx[s : s + CE_ROWS] = g @ weight
+            if want_dw:
+                dw += g.t() @ xs
         ctx.save_for_backward(dx, dw, n)
         ctx.weight_dtype = weight.dtype
         return loss / n
@@ -556,7 +564,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         dx, dw, n = ctx.saved_tensors
         scale = grad / n
-        return dx * scale.to(dx.dtype), (dw * scale).to(ctx.weight_dtype), None
+        return (None if dx is None else dx * scale.to(dx.dtype),
+                None if dw is None else (dw * scale).to(ctx.weight_dtype), None, None)
+
+
+def linear_cross_entropy(x, weight, targets):
+    """LinearCrossEntropy, told whether autograd is on (inside a Function's forward it never is)."""
+    return LinearCrossEntropy.apply(x, weight, targets, torch.is_grad_enabled())
 
 
 # -----------------------------------------------------------------------------
@@ -646,7 +660,7 @@ class DRT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, -1:]), None
         if not return_logits:  # training: the loss without ever holding all (B, T, vocab) logits
-            return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)
         loss = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss

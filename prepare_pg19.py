@@ -32,6 +32,8 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -70,9 +72,13 @@ def get_tokenizer(ranks_file=None):
                                     f"{RANKS_HELP}")
         from tiktoken.load import load_tiktoken_bpe
         from tiktoken_ext.openai_public import r50k_pat_str
-        return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str,
-                                 mergeable_ranks=load_tiktoken_bpe(path),
-                                 special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=GPT2_VOCAB)
+        try:
+            return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str,
+                                     mergeable_ranks=load_tiktoken_bpe(path),
+                                     special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=GPT2_VOCAB)
+        except (ValueError, AssertionError):  # not base64 ranks, or not GPT-2's 50,257 of them
+            raise ValueError(f"GPT-2 ranks file {path} (from --tokenizer_file or DRT_GPT2_RANKS) is not a "
+                             f"tiktoken ranks file of GPT-2's BPE; {RANKS_HELP}") from None
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # requests/urllib errors, whichever tiktoken used
@@ -235,8 +241,10 @@ def check_books(paths, pool, log=_print):
 
 _enc = None  # the tokenizer of this (worker) process
 
-def _init_worker(ranks_file):
+def _init_worker(ranks_file, worker=False):
     global _enc
+    if worker:  # a Ctrl-C reaches every process of the terminal's group: the main one alone says so
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _enc = get_tokenizer(ranks_file)
 
 def _encode_book(path):
@@ -282,6 +290,8 @@ def make_writable_dir(out_dir):
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
         open(probe, "wb").close()
         os.remove(probe)
+    except (FileExistsError, NotADirectoryError):  # out_dir, or a folder above it, is a file
+        raise ValueError(f"output folder {out_dir} is a file, or inside one: pass --out to a folder") from None
     except OSError as e:
         raise ValueError(f"output folder {out_dir} is not writable ({e}): pass --out to a writable folder") from None
 
@@ -329,7 +339,7 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     old = read_meta(meta_path)
     tmp = {s: os.path.join(out_dir, SPLITS[s] + ".bin.tmp") for s in splits}
     num_proc = num_proc or min(8, os.cpu_count() or 1)
-    pool = mp.Pool(num_proc, initializer=_init_worker, initargs=(ranks_file,)) if num_proc > 1 else None
+    pool = mp.Pool(num_proc, initializer=_init_worker, initargs=(ranks_file, True)) if num_proc > 1 else None
     try:
         check_books([p for s in splits for _, p in books[s]], pool, log)
         new = {}
@@ -378,6 +388,9 @@ def main(argv=None):
     if args.max_books is not None and args.max_books < 1:
         raise SystemExit(f"prepare_pg19.py: error: --max_books={args.max_books}: give a positive number of "
                          f"books per split, or leave it out for all")
+    for name, n in (("num_proc", args.num_proc), ("download_workers", args.download_workers)):
+        if n is not None and n < 1:
+            raise SystemExit(f"prepare_pg19.py: error: --{name}={n}: must be >= 1")
     t0 = time.time()
     try:
         get_tokenizer(args.tokenizer_file)  # before a long download, not after
@@ -392,6 +405,10 @@ def main(argv=None):
         meta = prepare(source, args.out, splits, args.num_proc, args.tokenizer_file, max_books=args.max_books)
     except (OSError, ValueError, RuntimeError) as e:  # FileNotFoundError is an OSError
         raise SystemExit(f"prepare_pg19.py: error: {e}")
+    except KeyboardInterrupt:  # the dataset is swapped in whole or not at all (prepare), downloads resume
+        print(f"prepare_pg19.py: interrupted: {args.out} keeps the dataset it had (a new one goes in only whole); "
+              f"a rerun starts over, keeping the books downloaded", file=sys.stderr)
+        raise SystemExit(130)
     counts = ", ".join(f"{s} {m['tokens']:,}" for s, m in meta["splits"].items())
     _print(f"done in {time.time() - t0:.1f}s: {counts} tokens -> {args.out}")
 

@@ -25,12 +25,15 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+import common
 from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
 from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
 from tasks import NAMES, TASKS, UNSEEN_NAMES, Haystack, make_example, score
+
+
+PROGRESS_AFTER = 10  # seconds a prefill or a copying test runs before it says how far it got
 
 
 def error(msg):
@@ -45,14 +48,9 @@ def load_checkpoint(path, device):
     if not os.path.isfile(path):
         error(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a file cut short or not torch's fails as a zip, pickle, EOF or even KeyError
-        why = str(e).strip().splitlines()[0] if str(e).strip() else "no detail"
-        error(f"cannot read {path} as a checkpoint ({type(e).__name__}: {why}): the file is cut short or "
-              f"not a train.py ckpt.pt; copy it again, or point --out_dir/--ckpt at another")
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        error(f"{path} holds a {type(ckpt).__name__}, not a train.py checkpoint (a dict with 'model' and "
-              f"'model_args'): point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
+        ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
+    except common.CheckpointError as e:
+        error(e)
     try:
         cfg = DRTConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
@@ -77,7 +75,7 @@ def prefill(model, ids, state, segment, progress=None):
     t0, last = time.time(), time.time()
     for s in range(0, len(ids), segment):
         logits, _ = model(x[:, s : s + segment], state=state)
-        if progress and time.time() - last > 10:
+        if progress and time.time() - last > PROGRESS_AFTER:
             done, dt = s + segment, time.time() - t0
             progress(f"{done:,}/{len(ids):,} tokens, {done / dt:,.0f} tok/s, ETA {(len(ids) - done) * dt / done:.0f}s")
             last = time.time()
@@ -226,6 +224,8 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
               f"{gpu_col} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
+LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
+MAX_LENGTH = 2**26  # 64M tokens: the longest --lengths takes (--help says so)
 COPY_SPAN = 100  # tokens per span of the copying test (less where the window is shorter)
 
 
@@ -268,19 +268,42 @@ def copy_test(model, args, ctx, haystack=None):
     header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8}"
     print(header + "\n" + "-" * len(header))
 
-    def pass_losses(span, passes, starts):  # span (n, k) repeated `passes` times -> mean loss after each start
+    t0 = time.time()
+
+    def pass_losses(name, span, passes, starts):  # span (n, k) repeated `passes` times -> mean loss after each start
         x = torch.from_numpy(np.tile(span, passes)).to(device)  # (n, passes * k)
-        with ctx:
-            logits, _ = model(x[:, :-1], x[:, 1:])  # (n, passes * k - 1, vocab)
-        nll = F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:], reduction="none").mean(0)  # nll[t]: token t+1
-        k = span.shape[1]
-        return [nll[s : s + k - 1].mean().item() for s in starts]  # tokens s+1 .. s+k-1
+        k, out = span.shape[1], []
+        for s in starts:  # the loss on tokens s+1 .. s+k-1 alone, never holding (n, passes * k, vocab) logits
+            y = torch.full_like(x[:, 1:], -1)
+            y[:, s : s + k - 1] = x[:, s + 1 : s + k]
+            with ctx:
+                out.append(model(x[:, :-1], y, return_logits=False)[1].item())
+            if time.time() - t0 > PROGRESS_AFTER:  # a big model on a CPU: show it is alive
+                print(f"  {name}: {k}-token spans, pass {len(out)} of {len(starts)} done after {time.time() - t0:.0f}s",
+                      flush=True)
+        return out
 
     losses = {}
     for name, rows in kinds.items():
-        losses[name] = pass_losses(rows(L), 3, [0, L, 2 * L]) + pass_losses(rows(L_far), 2, [0, L_far])
+        losses[name] = pass_losses(name, rows(L), 3, [0, L, 2 * L]) + pass_losses(name, rows(L_far), 2, [0, L_far])
         print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
+
+
+def check_memory(model, L, args):
+    """Refuse a length whose chunk memory cannot fit before it runs for hours: the keys and values
+    of every chunk, 2*d*bytes per text token x S/(S-1), in host memory with --offload or on a
+    CPU, else on the GPU; one prompt at a time."""
+    cfg, device = model.config, next(model.parameters()).device
+    on_gpu = device.type == "cuda" and not args.offload
+    size = 2 if device.type == "cuda" and args.dtype != "float32" else 4  # autocast on CUDA alone
+    need = L * 2 * cfg.n_embd * size * cfg.chunk_size / (cfg.chunk_size - 1)
+    free = torch.cuda.mem_get_info(device)[0] if on_gpu else common.available_mem()
+    if free is not None and need > free:
+        where = "GPU" if on_gpu else "host"
+        error(f"--lengths: a {fmt_len(L)}-token prompt holds {need / 1e9:.2f} GB of chunk keys/values in {where} "
+              f"memory, and {free / 1e9:.2f} GB are available: use shorter lengths"
+              + (" or --offload (host memory)" if on_gpu else ""))
 
 
 # -----------------------------------------------------------------------------
@@ -421,6 +444,11 @@ def check_args(args):
     modes = (args.retrieval or "learned").split(",")
     if any(m not in ("learned", "random", "none") for m in modes):
         error(f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")
+    if device.type == "cpu" and args.dtype != "float32":
+        error(f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype")
+    if args.copying and args.lengths != LENGTHS and not any(getattr(args, t) for t in TASKS):
+        error(f"--lengths={args.lengths}: --copying has spans of its own lengths; --lengths is for "
+              f"--passkey, --multikey, --vartrack")
 
 
 def read_prompt(prompt):
@@ -480,7 +508,7 @@ def arg_parser():
     test.add_argument("--copying", action="store_true",
                       help="in-context copying: the loss on spans seen 1, 2, 3 times in the window, and on "
                            "the repeat of a span longer than the windows' reach (book text too with --haystack)")
-    test.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens (up to 64M)")
+    test.add_argument("--lengths", default=LENGTHS, help="context lengths in tokens (up to 64M)")
     # dest "samples": run_task reads args.samples
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
                       help="test prompts per length and test (not --num_samples, which counts generations)")
@@ -521,7 +549,7 @@ def main(argv=None):
     prompt = None if testing else read_prompt(args.prompt)
     try:
         enc = get_tokenizer(args.tokenizer_file)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ValueError) as e:
         error(e)
     haystack = None
     if tasks:
@@ -529,6 +557,9 @@ def main(argv=None):
             lengths = parse_lengths(args.lengths)
         except ValueError as e:
             error(e)
+        if max(lengths) > MAX_LENGTH:
+            error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
+                  f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
         check_lengths(tasks, lengths, args.samples, args.seed, enc, names=multikey_names(args))
     if (tasks or args.copying) and args.haystack:
         haystack = load_haystack(args.haystack, enc)  # once, for every test
@@ -543,6 +574,8 @@ def main(argv=None):
     ctx = torch.autocast(device_type, dtype=dtype) if device_type == "cuda" and dtype != torch.float32 else nullcontext()
 
     if testing:
+        if tasks:
+            check_memory(model, max(lengths), args)
         if tasks and not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
             check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1,
                           multikey_names(args))

@@ -29,6 +29,9 @@ import re
 import numpy as np
 import torch
 
+from common import max_token_id
+from prepare_pg19 import GPT2_VOCAB
+
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 MAX_ANSWER = 5  # tokens an answer can take (a 5-digit number): a training row keeps room for it after the prompt
@@ -57,6 +60,9 @@ class Haystack:
     def __init__(self, path, enc):
         if os.path.isfile(path) and path.endswith(".bin"):
             self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            if (top := max_token_id(self.tokens)) >= GPT2_VOCAB:  # the model would fail on it mid-test
+                raise ValueError(f"--haystack {path}: token id {top} is past GPT-2's {GPT2_VOCAB} ids, so it is "
+                                 f"not a .bin of prepare_pg19.py")
         elif os.path.isdir(path):
             files = sorted(f for f in os.listdir(path) if f.endswith(".txt"))
             if not files:

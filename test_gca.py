@@ -6,7 +6,7 @@ the FlashGCA kernel (gca_kernel.py) against it -> the model end to end -> the st
 (decoding, prefill, offload) -> training (train.py) -> long-context tasks and sampling (tasks.py,
 sample.py) -> data preparation (prepare_pg19.py) -> the benchmarks (bench.py).
 
-    python -m pytest -q test_gca.py            # CPU: the kernel runs under TRITON_INTERPRET=1
+    python -m pytest -q -rs test_gca.py        # CPU: the kernel runs under TRITON_INTERPRET=1; -rs: why tests skip
     python -m pytest -q test_gca.py -k "cuda or flash_gca"  # on a GPU: the kernel natively (and in bf16), the GPU paths
 
 Every test draws fresh random inputs; models are tiny so the file runs in minutes on 2 cores.
@@ -676,6 +676,32 @@ def test_loss_without_logits(ce_rows, monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+def test_loss_without_grad_makes_no_gradients(monkeypatch):
+    """LinearCrossEntropy makes only the gradients a backward will use: under no_grad (evaluation)
+    one matmul per chunk of rows, the same loss; dw alone (x needs no grad) two; both three."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            return func(*args, **(kwargs or {}))
+
+    def matmuls(x, w, grad=True):
+        with torch.set_grad_enabled(grad), CountMatmuls() as count:
+            loss = drt.linear_cross_entropy(x, w, targets)
+        return count.n, loss
+
+    monkeypatch.setattr(drt, "CE_ROWS", 16)  # 40 rows: 3 chunks
+    x, w = torch.randn(40, 8, dtype=torch.float64), torch.randn(96, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 96, (40,))
+    (n_eval, eval_loss), (n_dw, _), (n_both, loss) = matmuls(x, w, False), matmuls(x, w), matmuls(x.requires_grad_(), w)
+    assert (n_eval, n_dw, n_both) == (3, 6, 9)
+    torch.testing.assert_close(eval_loss, loss)
+    torch.testing.assert_close(eval_loss, F.cross_entropy(x @ w.t(), targets))
+
+
 def test_compile_whole_model():
     """torch.compile takes the whole training step as one graph (fullgraph: a break raises) with no
     warning from the compiler, and computes what eager computes. backend="aot_eager" traces and
@@ -1002,8 +1028,11 @@ def test_overrides():
     (["--block_size=0"], r"block_size=0 must be a positive int"),
     (["config/nothing.py"], r"config file config/nothing.py not found"),
     (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac=0.5 mixes copy rows into a text dataset; --dataset=passkey is"),
+    (["--device=tpu"], r"^device='tpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'$"),
+    (["--dataset=passkey,nope"], r"^dataset='passkey,nope': a comma list is of synthetic tasks, each one of passkey, "),
+    (["--learning_rate=-1"], r"^learning_rate=-1.0 must be >= 0$"),
 ], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file",
-        "copy-rows-in-tasks"])
+        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr"])
 def test_config_errors(argv, message):
     with pytest.raises(train.ConfigError, match=message):
         train.main(argv)
@@ -1014,6 +1043,32 @@ def test_config_file_unknown_key(tmp_path):
     path.write_text("import math\nbatch_size = 2\nn_emdb = 64\n")
     with pytest.raises(train.ConfigError, match=r"bad.py: unknown key 'n_emdb' \(did you mean n_embd\?\)"):
         train.main([str(path)])
+    path.write_text("batch_size = 2\nn_embd = (64\n")
+    with pytest.raises(train.ConfigError, match=r"^config file .*bad.py does not run \(SyntaxError: .*line 2.*\): fix it$"):
+        train.main([str(path)])
+
+
+def test_data_checked_before_anything(tmp_path):
+    """A meta.json that is not one, a .bin cut to an odd byte count, ids past the vocabulary in
+    val.bin (sampled from its first to its last token): one line each, before a model is built or
+    out_dir made."""
+    def fails(message, **change):
+        data = Path(tiny_dataset(tmp_path / "data"))
+        for name, edit in change.items():
+            path = data / name
+            path.write_bytes(edit(path.read_bytes()))
+        with pytest.raises(train.ConfigError, match=message):
+            train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+        assert not (tmp_path / "out").exists()
+
+    fails(r"meta.json is not a meta.json of prepare_pg19.py \(JSON with an int vocab_size\): prepare the data again",
+          **{"meta.json": lambda b: b[:-1]})
+    fails(r"meta.json is not a meta.json", **{"meta.json": lambda b: b'{"vocab_size": "95"}'})
+    fails(r"train.bin has an odd number of bytes \(9,999\), so it is not uint16 token ids: prepare the data again",
+          **{"train.bin": lambda b: b[:-1]})
+    fails(r"val.bin holds token id 60000, outside vocab_size=95 of its meta.json: prepare the data again",
+          **{"val.bin": lambda b: b[:-2] + np.uint16(60000).tobytes()})
+    train.main(tiny_args(tmp_path, "out", "--max_iters=1", "--eval_iters=1"))  # the data as made: it trains
 
 
 def test_setup_errors(tmp_path):
@@ -1096,6 +1151,8 @@ def test_resume_restores_config(tmp_path, capsys):
 
 def test_resume_conflicting_model(tmp_path):
     train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    with pytest.raises(train.ConfigError, match=r"ckpt.pt is at step 1, past max_iters=0: pass --max_iters above 1"):
+        train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", "--max_iters=0"])
     with pytest.raises(train.ConfigError, match=r"has n_embd=32, the config asks 64: drop --n_embd .* or start a new out_dir"):
         train.main(tiny_args(tmp_path, "run", "--init_from=resume", "--n_embd=64", "--max_iters=2"))
     # model keys left out are taken from the checkpoint
@@ -1627,13 +1684,13 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     import sample
 
     class Induction(torch.nn.Module):  # copies from L and from L_far back, where those are within its reach
-        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,))
+        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,), retriever="learned")
 
         def __init__(self, reach):
             super().__init__()
             self.w, self.reach = torch.nn.Parameter(torch.zeros(1)), reach
 
-        def forward(self, idx, targets):
+        def forward(self, idx, targets, return_logits=True):
             n, T = idx.shape
             logits = torch.zeros(n, T, 50304)
             logits[:, :, 50257:] = -1e9  # V = 50257 live tokens: a uniform guess costs ln(V)
@@ -1643,14 +1700,14 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
                     for t in range(back, T):
                         seen = idx[:, t - back] == idx[:, t]
                         logits[seen, t, idx[seen, t - back + 1]] = 1e4 * (1 + (back == L_far))
-            return logits, None
+            return None, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     args, ctx, lnV = SimpleNamespace(seed=0, samples=2), torch.autocast("cpu", enabled=False), math.log(50257)
     assert sample.copy_far_span(Induction.config) == 392  # 3 layers x 128 positions + 8
-    (p1, p2, p3, far), = sample.copy_test(Induction(reach=10**6), args, ctx).values()
-    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and far < 1e-3
-    (p1, p2, p3, far), = sample.copy_test(Induction(reach=384), args, ctx).values()  # the windows' reach only
-    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and abs(far - lnV) < 1e-3
+    (p1, p2, p3, far1, far), = sample.copy_test(Induction(reach=10**6), args, ctx).values()
+    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and abs(far1 - lnV) < 1e-3 and far < 1e-3
+    (p1, p2, p3, far1, far), = sample.copy_test(Induction(reach=384), args, ctx).values()  # the windows' reach only
+    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and abs(far1 - lnV) < 1e-3 and abs(far - lnV) < 1e-3
     capsys.readouterr()
     enc = _tokenizer_or_skip(monkeypatch)
     np.array(enc.encode_ordinary(" Call me Ishmael. Some years ago, never mind how long. " * 100),
@@ -1658,9 +1715,36 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
     sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={tmp_path / 'book.bin'}"])
-    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){4})$", capsys.readouterr().out, re.M)
+    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){5})$", capsys.readouterr().out, re.M)
     assert [r[0] for r in rows] == ["random tokens", "book text"]
     assert all(4 < float(v) < 20 for _, vals in rows for v in vals.split())  # an untrained model: no copying
+
+
+def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
+    """--copying scores each pass through the chunked loss: no (spans, tokens, vocab) logits are
+    ever held (13 GB on the quick start's model), and a long test says how far it got."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.numel = max([self.numel] + [t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                                             if isinstance(t, torch.Tensor)])
+            return out
+
+    monkeypatch.setattr(drt, "CE_ROWS", 64)
+    monkeypatch.setattr(sample, "PROGRESS_AFTER", -1)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")  # far spans of 264 tokens, read twice
+    with Largest() as largest:
+        sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=4", "--device=cpu"])
+    assert largest.numel <= 64 * 50304 < 4 * 527 * 50304 // 8
+    assert len(re.findall(r"^  random tokens: \d+-token spans, pass \d of \d done after \d+s$",
+                          capsys.readouterr().out, re.M)) == 4
 
 
 def test_sample_show_misses(tmp_path, monkeypatch, capsys):
@@ -1737,6 +1821,12 @@ BAD_SAMPLE_ARGS = [
     (["--device=cuda"], r"--device=cuda: no CUDA GPU here: pass --device=cpu"),
     (["--device=gpu0"], r"--device=gpu0: expected cpu, cuda or cuda:N"),
     (["--passkey", "--unseen_names"], r"--unseen_names: only multi-key has names: add --multikey"),
+    (["--passkey", "--lengths=4K,100M"], r"--lengths: 100M tokens is past the 64M this harness supports"),
+    (["--copying", "--lengths=4K"], r"--lengths=4K: --copying has spans of its own lengths; --lengths is for --passkey"),
+    (["--dtype=float16"], r"--dtype=float16: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
+    (["--tokenizer_file={tmp}/junk.tiktoken"], r"GPT-2 ranks file .*junk.tiktoken \(from --tokenizer_file or "
+                                                r"DRT_GPT2_RANKS\) is not a tiktoken ranks file"),
+    (["--passkey", "--haystack={tmp}/ids.bin"], r"--haystack .*ids.bin: token id 60000 is past GPT-2's 50257 ids"),
 ]
 
 
@@ -1747,10 +1837,29 @@ def test_sample_bad_arguments(argv, message, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     (tmp_path / "empty").mkdir()
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    np.arange(60001 - 5000, 60001, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    (tmp_path / "junk.tiktoken").write_text("not a ranks file\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
         sample.main([f"--ckpt={tmp_path / 'none.pt'}", *argv])
     assert "\n" not in str(e.value.code)
+
+
+def test_sample_memory_check(tmp_path, monkeypatch, capsys):
+    """A length whose chunk keys/values (2*d*4 bytes per text token in fp32, x 64/63) cannot fit
+    in the memory available is refused before any prompt runs."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")  # d=32, chunks of 64
+    need = 2**20 * 2 * 32 * 4 * 64 / 63
+    monkeypatch.setattr(common, "available_mem", lambda: need - 1e6)
+    with pytest.raises(SystemExit, match=rf"^sample.py: error: --lengths: a 1M-token prompt holds {need / 1e9:.2f} GB "
+                                         rf"of chunk keys/values in host memory, and {(need - 1e6) / 1e9:.2f} GB are "
+                                         r"available: use shorter lengths$"):
+        sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=1K,1M", "--samples_per_length=1", "--device=cpu"])
+    assert "passkey:" not in capsys.readouterr().out  # no test began
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=1K", "--samples_per_length=1", "--device=cpu"])
+    assert re.search(r"^\s+1K\s+1\s", capsys.readouterr().out, re.M)
 
 
 def test_sample_shortest_length(tmp_path, monkeypatch, capsys):
@@ -1813,10 +1922,36 @@ def test_sample_broken_checkpoint(kind, tmp_path, monkeypatch):
     else:
         whole = Path(tiny_checkpoint(path)).read_bytes()
         path.write_bytes({"text": b"not a checkpoint\n", "empty": b"", "half": whole[: len(whole) // 2]}[kind])
-    message = ".* holds a Tensor, not a train.py checkpoint" if kind == "tensor" else "cannot read .* as a checkpoint"
-    with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
+    message = "is not a train.py checkpoint" if kind == "tensor" else "is truncated or not a torch checkpoint"
+    with pytest.raises(SystemExit, match="^sample.py: error: .*" + message) as e:
         sample.main([f"--out_dir={tmp_path}", "--prompt=Hi", "--device=cpu"])
     assert "\n" not in e.value.code
+
+
+class RunsCode:
+    """Unpickled, it would make the folder `path`: what a ckpt.pt from anywhere could do with pickle."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path, monkeypatch):
+    """A ckpt.pt whose pickle would run code is refused, unrun, by sample.py and train.py alike
+    (both load through common.load_checkpoint, weights_only)."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    (tmp_path / "run").mkdir()
+    ckpt = torch.load(tiny_checkpoint(tmp_path / "run" / "ckpt.pt"))
+    ran = tmp_path / "code-ran"
+    torch.save({**ckpt, "model": RunsCode(str(ran))}, tmp_path / "run" / "ckpt.pt")
+    with pytest.raises(SystemExit, match=r"^sample.py: error: .*ckpt.pt holds Python objects .* could run code"):
+        sample.main([f"--out_dir={tmp_path / 'run'}", "--prompt=Hi", "--device=cpu"])
+    with pytest.raises(train.ConfigError, match=r"ckpt.pt holds Python objects .* could run code"):
+        train.main(tiny_args(tmp_path, "ft", f"--init_from={tmp_path / 'run'}"))
+    assert not ran.exists()
 
 
 def test_sample_help(capsys):
@@ -1885,6 +2020,19 @@ def test_tokenizer_offline_message(monkeypatch, capsys):
         prepare_pg19.main(["--help"])
     help_text = capsys.readouterr().out
     assert "r50k_base.tiktoken" in help_text and "--max_books" in help_text and "shared" not in help_text
+
+
+def test_readme_setup():
+    """The README's install block runs in order on a CPU (torch's CPU build before the requirements),
+    its test command is CI's and shows why tests skip, it names the variables that enable tests
+    offline, and its local-copy quick start keeps --max_books."""
+    readme, ci = (Path(HERE) / "README.md").read_text(), (Path(HERE) / ".ci" / "run").read_text()
+    block = re.search(r"## Install.*?```bash\n(.*?)```", readme, re.S)[1].splitlines()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in block[0] and "requirements.txt" in block[1]
+    test_cmd = next(line.split("#")[0].strip() for line in block if line.startswith("python -m pytest"))
+    assert "-rs" in test_cmd and re.search(rf"^{re.escape(test_cmd)}$", ci, re.M)
+    assert "DRT_GPT2_RANKS" in readme and "DRT_PG19_SAMPLE" in readme
+    assert "--source /path/to/pg19 --out data/pg19 --max_books=20" in readme
 
 
 def test_prepare_fmt_time():
@@ -2010,11 +2158,46 @@ def test_prepare_errors(tmp_path, monkeypatch):
 
     (src / "test" / "4.txt").write_text("fine now")
     (tmp_path / "a_file").write_text("")
+    for out in ("a_file", "a_file/out"):
+        with pytest.raises(ValueError, match=r"output folder .*a_file(/out)? is a file, or inside one: pass --out"):
+            prepare_pg19.prepare(str(src), str(tmp_path / out), **quiet)
     with pytest.raises(ValueError, match="not writable"):  # works as root too, unlike chmod
-        prepare_pg19.prepare(str(src), str(tmp_path / "a_file" / "out"), **quiet)
+        prepare_pg19.prepare(str(src), "/proc/out", **quiet)
+    for flag in ("--num_proc=0", "--num_proc=-1", "--download_workers=0"):
+        with pytest.raises(SystemExit, match=rf"^prepare_pg19.py: error: {flag}: must be >= 1$"):
+            prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "out"), flag])
+    with pytest.raises(SystemExit, match=r"^prepare_pg19.py: error: GPT-2 ranks file .*README.md \(from "
+                                         r"--tokenizer_file or DRT_GPT2_RANKS\) is not a tiktoken ranks file"):
+        prepare_pg19.main(["--source", str(src), "--tokenizer_file", os.path.join(HERE, "README.md")])
 
     with pytest.raises(SystemExit, match="no_such_dir"):  # the CLI turns errors into one clear line
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_prepare_ctrl_c(tmp_path, monkeypatch):
+    """Ctrl-C (to the whole process group, as a terminal sends it) while the workers tokenize: one
+    line, no traceback from the main process or a worker, exit 130, the old dataset as it was."""
+    _tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {i: "Some perfectly fine text. " * 200 for i in range(1, 9)},
+                       "validation": {1: "v"}, "test": {1: "t"}})
+    prepare_pg19.prepare(str(src), str(out), num_proc=2, log=lambda s: None)
+    before = _files(out)
+    slow = ("import signal, sys, time, prepare_pg19 as p\nencode = p._encode_book\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as from a terminal (a background job ignores it)
+            "def _encode_book(path):\n    time.sleep(0.5)\n    return encode(path)\n"
+            "_encode_book.__module__ = 'prepare_pg19'\np._encode_book = _encode_book\np.main(sys.argv[1:])")
+    proc = start_run([sys.executable, "-c", slow, "--source", str(src), "--out", str(out), "--num_proc=2"])
+    try:
+        read_until(proc.stdout, r"check: ")  # then 5 s of tokenizing
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode == 130 and err.strip().count("\n") == 0, err
+    assert re.match(r"prepare_pg19.py: interrupted: .*out keeps the dataset it had", err), err
+    assert _files(out) == before
 
 
 def test_prepare_failed_rerun_keeps_old_dataset(tmp_path, monkeypatch):
@@ -2197,7 +2380,10 @@ def test_download_max_books_then_prepare(tmp_path, monkeypatch, capsys, fake_buc
     (["--long", "--lengths=4Q"], "--lengths='4Q': expected a list"),
     (["--long", "--n_embd=100"], "--n_embd=100: must be a multiple of 64"),
     (["--train", "--model=n_embd=64"], "--model='n_embd=64': expected a dict"),
-], ids=["nothing to do", "steps", "rep", "lengths", "n_embd", "model"])
+    (["--long", "--lengths=0", "--device=cpu"], "--lengths=0: every length must be at least 1 token"),
+    (["--train", "--model={'nope': 1}", "--device=cpu"], "--model: 'nope' cannot be set: give DRTConfig's fields but"),
+    (["--train", "--model={'groups': ()}", "--device=cpu"], "--model: 'groups' cannot be set"),
+], ids=["nothing to do", "steps", "rep", "lengths", "n_embd", "model", "lengths-zero", "model-key", "model-case-key"])
 def test_bench_usage_errors(argv, message, capsys):
     import bench
     with pytest.raises(SystemExit) as e:

@@ -33,7 +33,6 @@ import inspect
 import json
 import math
 import os
-import pickle
 import random
 import re
 import runpy
@@ -58,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import common
 import tasks
 from common import fmt_time, peak_flops, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
@@ -163,8 +163,11 @@ def parse_config(argv):
             except (ValueError, SyntaxError):
                 updates = {key: text}  # a bare word: a string
         elif os.path.isfile(arg):
-            updates = {k: v for k, v in runpy.run_path(arg).items()
-                       if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+            try:
+                ran = runpy.run_path(arg)
+            except Exception as e:  # a syntax error, a name error, ...: the file's fault, in one line
+                raise ConfigError(f"config file {arg} does not run ({type(e).__name__}: {e}): fix it") from None
+            updates = {k: v for k, v in ran.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
         else:
             raise ConfigError(f"config file {arg} not found (overrides are written --key=value)")
         for k, v in updates.items():
@@ -193,7 +196,9 @@ def check_config(config):
         (c.task_min_depth < 0, f"task_min_depth={c.task_min_depth} must be >= 0"),
         (not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
-        (not 0 <= c.min_lr <= c.learning_rate, f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
+        (c.learning_rate < 0, f"learning_rate={c.learning_rate} must be >= 0"),
+        (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
+         f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
         (c.tokens_per_step < 0 or c.grad_clip < 0, "tokens_per_step and grad_clip must be >= 0"),
         (not 0 <= c.task_haystack_frac <= 1, f"task_haystack_frac={c.task_haystack_frac} must lie in [0, 1]"),
         (not 0 <= c.copy_frac <= 1, f"copy_frac={c.copy_frac} must lie in [0, 1]"),
@@ -204,6 +209,10 @@ def check_config(config):
          f"copy_frac={c.copy_frac} mixes copy rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
         (c.task_names not in ("twenty", "pool"), f"task_names={c.task_names!r} must be 'twenty' or 'pool'"),
+        (not re.fullmatch(r"auto|cpu|cuda(:\d+)?", c.device),
+         f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        ("," in c.dataset and not is_tasks(c.dataset),
+         f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TASKS)}"),
         (c.dtype not in ("auto", "bfloat16", "float32"),
          f"dtype={c.dtype!r} must be 'auto', 'bfloat16' or 'float32' (float16 would need a grad scaler)"),
     ] if wrong]
@@ -215,17 +224,11 @@ def check_config(config):
 
 
 def load_checkpoint(path, fix):
-    """train.py's checkpoint at path, on the CPU (load_state_dict moves it), or a one-line ConfigError
-    ending in fix. weights_only: tensors and plain values are all a train.py checkpoint holds."""
+    """common.load_checkpoint, its error a ConfigError."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ConfigError(f"{path} holds Python objects a train.py checkpoint never has: {fix}") from None
-    except Exception:  # a truncated zip, a text file, an empty file: each fails its own way
-        raise ConfigError(f"{path} is truncated or not a torch checkpoint: {fix}") from None
-    if not isinstance(ckpt, dict) or not {"model_args", "model"} <= ckpt.keys():
-        raise ConfigError(f"{path} is not a train.py checkpoint (no model_args/model): {fix}")
-    return ckpt
+        return common.load_checkpoint(path, fix)
+    except common.CheckpointError as e:
+        raise ConfigError(e) from None
 
 
 def save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, val_loss, tokens_per_step):
@@ -424,22 +427,25 @@ class Data:
         self.tasks, data_dir = None, c.data_dir or os.path.join("data", c.dataset)
         meta_path = os.path.join(data_dir, "meta.json")
         prepare = f"python prepare_pg19.py --source /path/to/pg19 --out {data_dir}"
+        again = f"prepare the data again, e.g. {prepare}"
         if not os.path.isfile(meta_path):
             raise ConfigError(f"{meta_path} not found: prepare the data first, e.g. {prepare} "
                               f"(or --dataset={'|'.join(tasks.TASKS)})")
-        with open(meta_path) as f:
-            self.vocab, self.splits = json.load(f)["vocab_size"], {}
+        try:
+            with open(meta_path) as f:
+                self.vocab, self.splits = json.load(f).get("vocab_size"), {}
+        except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not a JSON object
+            self.vocab = None
+        if type(self.vocab) is not int or self.vocab < 1:
+            raise ConfigError(f"{meta_path} is not a meta.json of prepare_pg19.py (JSON with an int vocab_size): "
+                              f"{again}")
         self.reach = window_reach(c)  # copy_row's far rows lie past it
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
             if not os.path.isfile(path):
                 raise ConfigError(f"{path} not found, but {meta_path} is: the preparation did not finish; run it "
                                   f"again, e.g. {prepare}")
-            n = os.path.getsize(path) // 2
-            if n < c.block_size + 1:
-                raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={c.block_size + 1:,}; "
-                                  f"lower --block_size")
-            self.splits[split] = (path, n)
+            self.splits[split] = (path, check_bin(path, self.vocab, c.block_size, again))
 
     def batch(self, split, rng, training=False):
         """(x, y), (B, T) each, on the device; evaluation scores a task's answer alone: that is the task."""
@@ -463,6 +469,21 @@ class Data:
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
+
+
+def check_bin(path, vocab, block_size, fix):
+    """The token count of a split's .bin, checked before any model is built or folder made: whole
+    uint16 ids, enough for a row, and on a sample all below the vocabulary; else a ConfigError."""
+    size = os.path.getsize(path)
+    if size % 2:
+        raise ConfigError(f"{path} has an odd number of bytes ({size:,}), so it is not uint16 token ids: {fix}")
+    n = size // 2
+    if n < block_size + 1:
+        raise ConfigError(f"{path} has {n:,} tokens, fewer than block_size+1={block_size + 1:,}; lower --block_size")
+    top = common.max_token_id(np.memmap(path, dtype=np.uint16, mode="r"))
+    if top >= vocab:
+        raise ConfigError(f"{path} holds token id {top}, outside vocab_size={vocab} of its meta.json: {fix}")
+    return n
 
 
 def copy_row(n, rng, vocab, reach):
@@ -761,6 +782,9 @@ def main(argv=None):
                 log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
             if k not in explicit and k not in PER_RUN:
                 config[k] = stored
+        if ckpt["iter_num"] > config["max_iters"]:
+            raise ConfigError(f"{path} is at step {ckpt['iter_num']}, past max_iters={config['max_iters']}: pass "
+                              f"--max_iters above {ckpt['iter_num']} to train on")
     check_config(config)
     c = types.SimpleNamespace(**config)
     again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
