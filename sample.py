@@ -25,6 +25,7 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import common
 from common import fmt_len, parse_lengths, peak_mem_gib

@@ -1747,6 +1747,145 @@ def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
                           capsys.readouterr().out, re.M)) == 4
 
 
+# -----------------------------------------------------------------------------
+# language modelling instruments: does the retriever learn from the next-token loss? (§4.2, Table 4)
+
+
+def spy_retrieval(monkeypatch):
+    """Record what retrieve scores with: [(q (B, n, C), landmarks (B, M, C))] per call of topk_earlier."""
+    seen, orig = [], drt.topk_earlier
+
+    def spy(q, blocks, chunk_ids, k, noise=False, uniform=False):
+        seen.append((q, torch.cat(list(blocks), 1)))
+        return orig(q, blocks, chunk_ids, k, noise, uniform)
+    monkeypatch.setattr(drt, "topk_earlier", spy)
+    return seen
+
+
+def test_retriever_random_and_none(monkeypatch):
+    """retriever='random' (Table 4's ablation): k distinct, strictly earlier chunks drawn at random,
+    weighted by Eq. 3 of their own scores; 'none': every weight 0, the same loss as a model whose
+    retrieval weights are zeroed by hand, and not the learned retriever's."""
+    model = tiny_model(seed=3).eval()
+    cfg, K = model.config, model.config.topk
+    idx = tokens(cfg, 2, 12 * (cfg.chunk_size - 1), seed=4)
+    seen = spy_retrieval(monkeypatch)
+    model.record = []
+    _, learned = model(idx, idx)
+    model.config.retriever = "random"
+    (t, picks_l, _), = model.record
+    for seed in (0, 1):
+        model.record, seen[:] = [], []
+        torch.manual_seed(seed)
+        model(idx, idx)
+        (_, picks, w), (q, lm) = model.record[0], seen[0]
+        ok = torch.arange(K) < t.clamp(max=K)[:, None]  # (n, K) eligible slots
+        assert (picks[:, ok] < t[:, None].expand(-1, K)[ok]).all()  # strictly earlier
+        assert all(len(set(row[m].tolist())) == int(m.sum()) for row in picks for row, m in zip(row, ok))  # distinct
+        r = (q[:, :, None] * lm[torch.arange(2)[:, None, None], picks]).sum(-1) / math.sqrt(cfg.n_embd)
+        assert torch.allclose(w, softmax_off_by_one(r.masked_fill(~ok, float("-inf"))), atol=1e-12)  # Eq. 3
+        assert not torch.equal(picks[:, 4:], picks_l[:, 4:])  # not the learned top-k
+    model.config.retriever = "none"
+    _, none = model(idx, idx)
+    model.config.retriever = "learned"
+    monkeypatch.setattr(drt, "softmax_off_by_one", lambda r, off_by_one=True: torch.zeros_like(r))
+    _, zeroed = model(idx, idx)
+    assert none.item() == zeroed.item() and abs(none.item() - learned.item()) > 1e-9
+
+
+def test_retrieval_stats():
+    """retrieval_stats on hand-made picks: sum w, max w, the entropy of w / sum w and the distance
+    in chunks, over the landmarks that have an earlier chunk (chunk 0's has none)."""
+    t = torch.tensor([0, 1, 3])  # landmarks of chunks 0, 1, 3; K = 2, so chunk 1 has one eligible pick
+    idx = torch.tensor([[[0, 0], [0, 0], [2, 0]]])
+    w = torch.tensor([[[0.0, 0.0], [0.5, 0.0], [0.6, 0.2]]])
+    st = drt.retrieval_stats([(t, idx, w)], 2)
+    h = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    assert st["sum_w"] == pytest.approx(0.65) and st["max_w"] == pytest.approx(0.55)
+    assert st["entropy"] == pytest.approx(h / 2) and st["distance"] == pytest.approx(5 / 3)
+    assert drt.retrieval_stats([], 2) == {}
+
+
+def test_ppl_by_position(tmp_path, monkeypatch, capsys):
+    """sample.py --ppl: a .bin of prepare_pg19.py is cut into its books at <|endoftext|>; every
+    predicted token lands in the bucket of its position; a document streamed in segments scores
+    what one call scores; 'none' scores as a model whose retrieval weights are zeroed by hand."""
+    from types import SimpleNamespace
+
+    import sample
+    rng = np.random.default_rng(0)
+    books = [rng.integers(0, 50257, n) for n in (1500, 300)]
+    np.concatenate([books[0], [prepare_pg19.EOT], books[1], [prepare_pg19.EOT]]).astype(np.uint16).tofile(tmp_path / "t.bin")
+    docs = sample.read_docs(str(tmp_path / "t.bin"), enc=None)
+    assert [len(d) for _, d in docs] == [1500, 300] and all(np.array_equal(d, b) for (_, d), b in zip(docs, books))
+    model, _ = sample.load_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64), "cpu")
+    args, ctx = SimpleNamespace(segment=100, offload=False), torch.autocast("cpu", enabled=False)
+    whole = sample.doc_nll(model, docs[0][1], SimpleNamespace(segment=10**6, offload=False), ctx)
+    assert whole.shape == (1499,) and torch.allclose(sample.doc_nll(model, docs[0][1], args, ctx), whole, atol=1e-4)
+    table = sample.perplexity(model, docs, ["learned", "none"], args, ctx)
+    assert [n for n, _ in table["learned"]] == [1023 + 299, 476, 0, 0, 0, 0, 0, 1798]  # 0-1K, 1K-4K, ..., all
+    assert table["learned"][1][1] == pytest.approx(whole[1023:].mean().item(), abs=1e-4)
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+1K-4K\s+476\s+\d+\.\d\d\s+\d+\.\d\d$", out, re.M) and "retrieval learned: sum w" in out
+    monkeypatch.setattr(drt, "softmax_off_by_one", lambda r, off_by_one=True: torch.zeros_like(r))
+    zeroed = sample.perplexity(model, docs, ["learned"], args, ctx)["learned"]
+    filled = lambda rows: [row for row in rows if row[0]]  # noqa: E731 (empty buckets are nan)
+    assert filled(zeroed) == filled(table["none"]) and zeroed[1] != table["learned"][1]
+
+
+def test_inspect_shows_the_picks(tmp_path, capsys):
+    """sample.py --inspect: for the chunk holding token --at, the chunks each group picked at the
+    landmark before it, with the weights a stream prefilled by hand gets; all strictly earlier."""
+    from types import SimpleNamespace
+
+    import sample
+    model, _ = sample.load_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1)), "cpu")
+    ids = np.random.default_rng(1).integers(0, 50257, 1200)
+    enc = SimpleNamespace(decode=lambda t: " ".join(map(str, t)))  # no tokenizer needed
+    args = SimpleNamespace(offload=False, segment=256)
+    got = sample.inspect(model, enc, [("doc", ids)], 700, args, torch.autocast("cpu", enabled=False))
+    c = 700 // 63
+    state = model.new_state()
+    sample.prefill(model, ids[: c * 63], state, 10**6)
+    assert len(got) == 2
+    for (g, picks), (idx, w) in zip(got, state.picks):
+        want = sorted(zip(idx[0, 0].tolist(), w[0, 0].tolist()), key=lambda p: -p[1])
+        assert [j for j, _ in picks] == [j for j, _ in want] and all(j < c - 1 for j, _ in picks)
+        assert [x for _, x in picks] == pytest.approx([x for _, x in want], abs=1e-6)
+    out = capsys.readouterr().out
+    assert f"chunk {c} (tokens" in out and out.count(" back): ") == 2 * model.config.topk
+    with pytest.raises(SystemExit, match="retrieve nothing"):
+        sample.inspect(model, enc, [("doc", ids)], 70, args, torch.autocast("cpu", enabled=False))
+
+
+def test_repeat_passage_lies_past_the_reach():
+    """train.py repeat_passage: one passage of 63-504 tokens recurs, more than the windows' reach
+    after its first reading; the rest of the row is untouched."""
+    import random
+    rng = random.Random(0)
+    for n, reach in [(1008, 512), (4032, 1536)]:
+        sizes = set()
+        for _ in range(100):
+            row = np.arange(n)
+            out = train.repeat_passage(row, rng, reach)
+            changed = np.flatnonzero(out != row)
+            assert 63 <= len(changed) <= 504 and np.all(np.diff(changed) == 1)  # one passage, in one piece
+            assert np.all(changed - out[changed] > reach)  # its source lies more than reach tokens back
+            sizes.add(len(changed))
+        assert len(sizes) > 20
+    assert np.array_equal(train.repeat_passage(np.arange(300), rng, 512), np.arange(300))  # no room: unchanged
+
+
+def test_train_reports_retrieval_health(tmp_path, capsys):
+    """Each evaluation line of a DRT run carries sum w and max w (a dying retriever shows there);
+    the baseline's does not."""
+    train.main(tiny_args(tmp_path, "drt", "--max_iters=3"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
+    assert len(lines) == 2 and all(re.search(r"\| retrieval: sum w [01]\.\d{3}, max w [01]\.\d{3}$", x) for x in lines)
+    train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--groups=()", "--n_lower=2"))
+    assert "retrieval:" not in capsys.readouterr().out
+
+
 def test_sample_show_misses(tmp_path, monkeypatch, capsys):
     """--show_misses prints one line per wrong answer, with the key asked for: as many as the
     accuracy column says were missed (a random model misses them all)."""
