@@ -330,9 +330,8 @@ def read_docs(path, enc, max_tokens=None):
     for f in files:
         if f.endswith(".bin"):
             ids = np.fromfile(f, dtype=np.uint16).astype(np.int64)
-            cuts = np.flatnonzero(ids == EOT)
-            docs += [(f"{os.path.basename(f)}#{i}", d) for i, d in enumerate(np.split(ids, cuts)) if len(d)]
-            docs = [(name, d[1:] if d[0] == EOT else d) for name, d in docs]  # np.split keeps each cut in front
+            books = np.split(ids, np.flatnonzero(ids == EOT) + 1)  # each book ends with its <|endoftext|>
+            docs += [(f"{os.path.basename(f)}#{i}", book[book != EOT]) for i, book in enumerate(books)]
         else:
             with open(f, encoding="utf-8", errors="replace") as fh:
                 docs.append((os.path.basename(f), np.array(enc.encode_ordinary(fh.read()), dtype=np.int64)))
@@ -373,7 +372,7 @@ def perplexity(model, docs, modes, args, ctx):
         for _, ids in docs:
             nll = doc_nll(model, ids, args, ctx).double()
             bucket = torch.bucketize(torch.arange(1, len(ids)), torch.tensor(BUCKETS), right=True) - 1  # of the predicted token
-            sums += torch.zeros_like(sums).index_add_(0, bucket, nll)
+            sums.index_add_(0, bucket, nll)
             counts += torch.bincount(bucket, minlength=len(BUCKETS))
         table[mode] = [(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
         table[mode].append((int(counts.sum()), (sums.sum() / counts.sum()).item()))
