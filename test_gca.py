@@ -1634,6 +1634,97 @@ def test_question_alignment(monkeypatch):
     assert ((first % T) == 0).all()
 
 
+def old_prompt(task, length, rng, enc, align):
+    """make_example as it was before the test variants, frozen (passkey, multi-key): the training prompts."""
+    import tasks
+    if task == "passkey":
+        key = str(rng.randrange(10000, 100000))
+        needles = [f" The pass key is {key}. Remember it. {key} is the pass key."]
+        question, answer = " What is the pass key? The pass key is", f" {key}"
+    else:
+        names = rng.sample(tasks.NAMES, 4)
+        keys = [str(rng.randrange(10000, 100000)) for _ in names]
+        ask = rng.randrange(4)
+        needles = [f" The pass key of {n} is {k}. Remember it." for n, k in zip(names, keys)]
+        question, answer = f" What is the pass key of {names[ask]}? The pass key of {names[ask]} is", f" {keys[ask]}"
+    needles, question = [enc.encode_ordinary(t) for t in needles], enc.encode_ordinary(question)
+    length -= (length - 1) % align
+    n_fill = length - len(question) - sum(map(len, needles))
+    cuts = sorted(rng.randrange(0, n_fill + 1) for _ in needles)
+    fill, bounds = tasks.filler(n_fill, rng, enc).tolist(), [0] + cuts
+    ids = [t for i, needle in enumerate(needles) for t in fill[bounds[i] : bounds[i + 1]] + needle]
+    return ids + fill[cuts[-1]:] + question, enc.encode_ordinary(answer)
+
+
+def test_task_defaults_are_the_training_prompts(monkeypatch):
+    """The test variants leave the defaults as they were: make_example's prompts are those of the
+    frozen copy above, and get_batch's rows those of its loop (a choice among one key count or one
+    template draws nothing from the rng), so the shipped recipe trains on the same rows."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    for task in ("passkey", "multikey"):
+        for i, length in enumerate((300, 1000, 1001)):
+            prompt, answer = tasks.make_example(task, length, random.Random(i), enc, align=7)
+            assert (prompt.tolist(), answer) == old_prompt(task, length, random.Random(i), enc, 7)
+    x, _ = tasks.get_batch(["passkey", "multikey"], 4, 300, random.Random(3), enc, align=7)
+    rng = random.Random(3)
+    for row in x:
+        prompt, answer = old_prompt(rng.choice(["passkey", "multikey"]), 300 + 1 - tasks.MAX_ANSWER, rng, enc, 7)
+        rest = tasks.filler(300 + 1 - len(prompt) - len(answer), rng, enc).tolist()
+        assert row.tolist() == (prompt + answer + rest)[:-1]
+
+
+def test_task_variants(monkeypatch):
+    """The held-out variants of sample.py, built by make_example: keys=N needles of distinct names
+    (the asked one's key the answer), a template's phrasing, keys of `digits` digits, the asked
+    needle at a depth of the filler, or its key `past` tokens before the end with the others before
+    it; every prompt aligned (its last token opens a chunk, through DRT.layout)."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    model = DRT(tiny_config(vocab_size=50304, landmark_id=50257)).eval()  # chunks of 7 text tokens
+    T = model.config.chunk_size - 1
+    variants = [("multikey", dict(keys=2)), ("multikey", dict(keys=16, digits=3)), ("passkey", dict(digits=7)),
+                ("passkey", dict(template="code")), ("multikey", dict(template="code", keys=12)),
+                ("multikey", dict(template="id", depth=0.9)), ("passkey", dict(depth=0.1)),
+                ("multikey", dict(past=300, keys=8)), ("passkey", dict(past=200, template="number")),
+                ("vartrack", dict(digits=6))]
+    for i, (task, kw) in enumerate(variants):
+        prompt, answer = tasks.make_example(task, 700 + i, random.Random(i), enc, align=T, **kw)
+        text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
+        needle, question, named, named_question = tasks.TEMPLATES[kw.get("template", "key")]
+        assert want.isdigit() and len(want) == kw.get("digits", 5)
+        if task == "passkey":
+            assert needle.format(k=want) in text and text.endswith(question)
+        if task == "multikey":
+            pattern = re.escape(named).replace(re.escape("{n}"), r"(\w+)").replace(re.escape("{k}"), r"(\d+)")
+            keys = dict(re.findall(pattern, text))
+            asked = [name for name in keys if text.endswith(named_question.format(n=name))]
+            assert len(keys) == kw.get("keys", 4) and set(keys) <= set(tasks.NAMES) and len(asked) == 1
+            assert keys[asked[0]] == want
+        at = tasks.occurrences(prompt, answer)
+        if "depth" in kw:  # the asked needle at that depth of the filler, after the needles drawn before it
+            needles, q, _, ask = tasks.needles_and_question(task, random.Random(i), **{k: v for k, v in kw.items()
+                                                                                       if k != "depth"})
+            ids = [enc.encode_ordinary(t) for t in needles]
+            n_fill = len(prompt) - len(enc.encode_ordinary(q)) - sum(map(len, ids))
+            before = at[0] - tasks.occurrences(ids[ask], answer)[0] - round(kw["depth"] * n_fill)
+            assert 0 <= before <= sum(map(len, ids)) - len(ids[ask]), (at, n_fill)
+        if "past" in kw:  # its key's last mention ends `past` tokens before the end, after every other key
+            assert len(prompt) - 1 - (at[-1] + len(answer) - 1) == kw["past"]
+            assert all(text.index(k) < text.index(want) for k in re.findall(r" is (\d+)\.", text) if k != want)
+        assert (len(prompt) - 1) % T == 0 and enc.decode(prompt[-1:].tolist()) == " is"
+        state = model.new_state()
+        with torch.no_grad():
+            model(torch.from_numpy(prompt[None, :-1]), state=state)
+        assert state.n % model.config.chunk_size == 0  # the question's chunk is closed: its landmark is in
+    with pytest.raises(ValueError, match="too short for a passkey prompt with its key 500 tokens before the end"):
+        tasks.make_example("passkey", 400, random.Random(0), enc, past=500)
+
+
 def test_haystack_mix(tmp_path, monkeypatch):
     """Training rows take real text as filler with probability haystack_frac, else the sentences."""
     import random
