@@ -31,7 +31,7 @@ import common
 from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
 from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
-from tasks import NAMES, TASKS, UNSEEN_NAMES, Haystack, make_example, score
+from tasks import NAMES, SCORE_AFTER, TASKS, UNSEEN_NAMES, Haystack, make_example, score
 
 
 PROGRESS_AFTER = 10  # seconds a prefill or a copying test runs before it says how far it got
@@ -206,12 +206,12 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None):
             progress = None if L < 2**18 else (  # long prefills say how far they are
                 lambda msg, i=i: print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True))
             with ctx:
-                out, picks = answer_prompt(model, prompt, len(answer), state, args.segment, progress)
+                out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress)
             hit = score(out, answer, enc)
             correct += hit
             if args.show_misses and not hit:
                 print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {enc.decode(answer).strip()!r}, "
-                      f"got {enc.decode(list(out[: len(answer)])).strip()!r}", flush=True)
+                      f"got {enc.decode(out).strip()!r}", flush=True)
             got = needle_picks(prompt, answer, picks, T)
             if got is not None:
                 eligible, found, weight = eligible + 1, found + got[0], weight + got[1]

@@ -36,6 +36,7 @@ from prepare_pg19 import GPT2_VOCAB
 
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
 MAX_ANSWER = 5  # tokens an answer can take (a 5-digit number): a training row keeps room for it after the prompt
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
@@ -211,6 +212,8 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
 
 
 def score(generated_ids, answer_ids, enc):
-    """1 if the first len(answer) generated tokens spell the answer, else 0. Only those count:
-    training never shows what follows an answer, so a model may go on with more digits."""
-    return int(enc.decode(list(generated_ids[: len(answer_ids)])).strip() == enc.decode(answer_ids).strip())
+    """1 if the generated text is the answer followed by something that does not continue the
+    number (a full stop, a space: not a digit), else 0: 71432 then 5 spells 714325, a wrong key.
+    Decode SCORE_AFTER tokens past the answer's, so that what follows it is seen."""
+    text, want = enc.decode(list(generated_ids)).lstrip(), enc.decode(answer_ids).strip()
+    return int(text.startswith(want) and len(text) > len(want) and not text[len(want)].isdigit())

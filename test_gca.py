@@ -1538,7 +1538,8 @@ def test_tasks(task, monkeypatch):
         assert len(prompt) == length and prompt.dtype == np.int64
         text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
         assert want.isdigit() and text.count(want) >= 1  # the answer is in the haystack
-        assert tasks.score(answer + enc.encode_ordinary("123. The"), answer, enc) == 1  # what follows is not scored
+        assert tasks.score(answer + enc.encode_ordinary(". The"), answer, enc) == 1
+        assert tasks.score(answer + enc.encode_ordinary("123. The"), answer, enc) == 0  # the number goes on: wrong
         assert tasks.score(enc.encode_ordinary(" 1" + want), answer, enc) == 0
     for answer_only in (True, False):
         x, y = tasks.get_batch(task, 3, 256, rng, enc, answer_only=answer_only)
@@ -1723,6 +1724,22 @@ def test_task_variants(monkeypatch):
         assert state.n % model.config.chunk_size == 0  # the question's chunk is closed: its landmark is in
     with pytest.raises(ValueError, match="too short for a passkey prompt with its key 500 tokens before the end"):
         tasks.make_example("passkey", 400, random.Random(0), enc, past=500)
+
+
+def test_score_is_strict(monkeypatch):
+    """Right = the answer, then something that does not continue the number: the issue's
+    [' 7', '14', '32', '5'] for 71432 spells 714325 and is wrong (the first len(answer) tokens alone
+    would pass it); the answer alone, with nothing seen after it, is not yet right."""
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    answer = enc.encode_ordinary(" 71432")
+    pieces = lambda *texts: [t for s in texts for t in enc.encode_ordinary(s)]  # noqa: E731
+    assert tasks.score(answer + pieces(". Remember"), answer, enc) == 1
+    assert tasks.score(pieces(" 7", "14", "32", "."), answer, enc) == 1  # another spelling of the same number
+    assert tasks.score(answer + pieces(" is"), answer, enc) == 1
+    assert tasks.score(pieces(" 7", "14", "32", "5"), answer, enc) == 0
+    assert tasks.score(answer + pieces("5."), answer, enc) == 0
+    assert tasks.score(answer, answer, enc) == 0 and tasks.score(pieces(" 7143."), answer, enc) == 0
 
 
 def test_haystack_mix(tmp_path, monkeypatch):
