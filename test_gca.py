@@ -1608,7 +1608,7 @@ def test_multikey_unseen_names(tmp_path, monkeypatch, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
     sample.main([f"--ckpt={ckpt}", "--multikey", "--unseen_names", "--lengths=300", "--samples_per_length=2",
                  "--device=cpu"])
-    assert re.search(r"^multikey, retrieval learned: .*names unseen in training\n(.*\n){2}\s+300\s+2\s+\d+\.\d%",
+    assert re.search(r"^multikey, retrieval learned: .*4 keys, names unseen in training\n(.*\n){2}\s+300\s+2\s+\d+\.\d%",
                      capsys.readouterr().out, re.M)
 
 
@@ -1742,6 +1742,126 @@ def test_score_is_strict(monkeypatch):
     assert tasks.score(answer, answer, enc) == 0 and tasks.score(pieces(" 7143."), answer, enc) == 0
 
 
+@pytest.mark.parametrize("reply", [".", "5", "other"])
+def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
+    """run_task decodes past the answer and scores strictly: the key then '.' is right, the key's
+    tokens then '5' wrong; --show_misses names the needle whose key a wrong answer is."""
+    import sample
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+
+    def answer_prompt(model, prompt, n, state, segment, progress=None):  # a model that answers `reply`
+        text = enc.decode(list(prompt))
+        keys = dict(re.findall(r"pass key of (\w+) is (\d+)\.", text))
+        asked = re.search(r"pass key of (\w+) is$", text)[1]
+        answer = enc.encode_ordinary(" " + keys[asked])
+        assert n == len(answer) + tasks.SCORE_AFTER
+        other = next(name for name in keys if name != asked)
+        print(f"other {other}")
+        out = enc.encode_ordinary(f" {keys[other]}.") if reply == "other" else answer + enc.encode_ordinary(reply)
+        return (out + enc.encode_ordinary(" The pass"))[:n], []
+
+    monkeypatch.setattr(sample, "answer_prompt", answer_prompt)
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--multikey", "--lengths=300",
+                 "--samples_per_length=3", "--show_misses", "--device=cpu"])
+    out = capsys.readouterr().out
+    acc = re.search(r"^\s+300\s+3\s+(\d+\.\d)% \[(\d+)-(\d+)\]", out, re.M)
+    assert float(acc[1]) == (100.0 if reply == "." else 0.0), out
+    assert (int(acc[2]), int(acc[3])) == tuple(round(100 * b) for b in sample.wilson(3 * (reply == "."), 3))
+    owners = re.findall(r"another needle's key: (\w+)'s\)$", out, re.M)
+    assert owners == (re.findall(r"^other (\w+)$", out, re.M) if reply == "other" else []), out
+
+
+def test_in_reach_counts_positions():
+    """in_reach: the answer's last mention lies within `reach` positions of the prompt's last token,
+    positions as DRT.layout lays them out (a landmark after every S-1 tokens); prompt_kwargs'
+    'reach' puts a key just past it at every chunk phase."""
+    import sample
+    model = DRT(tiny_config())  # S=8
+    S, T, reach, answer = 8, 7, 20, [5, 6]
+    cfg = type("Cfg", (), dict(n_lower=1, groups=(1,), window=10, chunk_size=S))  # window_reach 20
+    past = sample.prompt_kwargs(type("Args", (), dict(unseen_names=False, keys=4, template="key", digits=5)),
+                                cfg, "reach")["past"]
+    near = []
+    for n in range(30, 30 + S):  # every chunk phase of the prompt's end
+        for i in range(n - 2):
+            prompt = [1] * n
+            prompt[0:2] = prompt[i : i + 2] = answer  # two mentions: the later one counts
+            ids, _ = model.layout(torch.tensor([prompt]), 0)
+            pos = (ids[0] != model.config.landmark_id).nonzero().squeeze(1)  # the text tokens' positions
+            assert sample.in_reach(prompt, answer, T, reach) == (pos[-1] - pos[i + 1] < reach)
+            if n - 1 - (i + 1) == past:  # the key `past` tokens before the end: just out of reach
+                assert not sample.in_reach(prompt, answer, T, reach)
+            near += [sample.in_reach(prompt, answer, T, reach)] if n - 1 - (i + 1) == past - 1 else []
+    assert any(near)  # one token nearer, and some phase brings it in reach: `past` is the fewest
+
+
+def test_needle_picks_hit_at_1():
+    """hit@1: one of the needle's chunks (its own or the next) got the largest weight of a group's
+    picks, in any upper group; found: it was picked with a weight > 0 at all."""
+    import sample
+    T, answer = 4, [5, 6]
+    prompt = [9] * 40
+    prompt[13:15] = answer  # the needle's chunk: 14 // 4 = 3
+    P = lambda idx, w: (torch.tensor(idx), torch.tensor(w))  # noqa: E731
+    cases = [([P([3, 7], [0.6, 0.3])], True, True), ([P([7, 3], [0.6, 0.3])], True, False),
+             ([P([7, 4], [0.3, 0.6])], True, True), ([P([7, 3], [0.6, 0.0])], False, False),
+             ([P([7, 1], [0.6, 0.3]), P([2, 3], [0.1, 0.5])], True, True),
+             ([P([7, 1], [0.6, 0.3]), P([3, 2], [0.1, 0.5])], True, False), ([P([5, 6], [0.6, 0.3])], False, False)]
+    for picks, found, top in cases:
+        assert sample.needle_picks(prompt, answer, picks, T)[:2] == (found, top), picks
+
+
+def test_wilson_interval():
+    """The Wilson interval's bounds are the proportions x where the score test |p - x| / se(x), se(x)
+    = sqrt(x (1 - x) / n), equals z = 1.96; it holds p and stays in [0, 1], at 0/n and n/n too."""
+    import sample
+    for k, n in [(0, 5), (5, 5), (2, 2), (19, 20), (7, 20), (1, 10)]:
+        lo, hi = sample.wilson(k, n)
+        p = k / n
+        assert 0 <= lo <= p <= hi <= 1 and lo < hi
+        for x in (lo, hi):
+            assert abs((p - x) ** 2 - 1.96**2 * x * (1 - x) / n) < 1e-12
+    assert sample.wilson(5, 5)[1] == pytest.approx(1) and sample.wilson(0, 5)[0] == pytest.approx(0)
+
+
+def test_key_owner():
+    """--show_misses' owner of a wrong answer, read off the needles: another multi-key name, the
+    other chain's variable in 2-hop, none for the asked key or a number in no needle."""
+    import random
+
+    import sample
+    import tasks
+    for task, template in [("multikey", "key"), ("multikey", "code"), ("multikey", "id"), ("vartrack", "key")]:
+        needles, _, answer, _ = tasks.needles_and_question(task, random.Random(1), template=template)
+        answer = answer.strip()
+        owners = dict((k, n) for n, k in re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles)))
+        other = next(k for k in owners if k != answer)
+        assert sample.key_owner(needles, other, answer) == owners[other] and owners[other] in "".join(needles)
+        assert sample.key_owner(needles, answer, answer) is None and sample.key_owner(needles, "7", answer) is None
+
+
+def test_harness_depth_and_reach(tmp_path, monkeypatch, capsys):
+    """--depth: a table per bin, titled by it; 'in reach' counts the prompts whose asked key the
+    windows reach from the question: all at 200 tokens (the reach is 256 positions), none with
+    --depth=reach. --keys, --template and --digits show in the title."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "a.pt")
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--multikey", "--lengths=200", "--samples_per_length=2",
+                 "--device=cpu"])
+    assert re.findall(r"^\s+200\s+2\s+\d+\.\d% \[\d+-\d+\]\s+(\d+)\s", capsys.readouterr().out, re.M) == ["2", "2"]
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--multikey", "--keys=3", "--template=code", "--digits=4",
+                 "--depth=0.5,reach", "--lengths=600", "--samples_per_length=2", "--device=cpu"])
+    out = capsys.readouterr().out
+    titles = re.findall(r"^(\w+), retrieval learned: .*aligned to a chunk, (.*)$", out, re.M)
+    assert titles == [(task, f"{keys}template code, 4-digit numbers, {where}")
+                      for task, keys in (("passkey", ""), ("multikey", "3 keys, "))
+                      for where in ("the asked needle at depth 0.5", "the asked key just past the windows' reach")], out
+    near = re.findall(r"^\s+600\s+2\s+\d+\.\d% \[\d+-\d+\]\s+(\d+)\s", out, re.M)
+    assert len(near) == 4 and near[1] == near[3] == "0", out
+
+
 def test_haystack_mix(tmp_path, monkeypatch):
     """Training rows take real text as filler with probability haystack_frac, else the sentences."""
     import random
@@ -1778,7 +1898,8 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples_per_length=2",
                  "--offload", "--segment=100", "--device=cpu"])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d%\s+(\d/\d|-)\s", line)]
+    rows = [line for line in out.splitlines()
+            if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d% \[\d+-\d+\]\s+\d\s+(\d/\d|-)\s+(\d/\d|-)\s", line)]
     assert len(rows) == 4, out  # two lengths x two tasks
 
 
@@ -2006,6 +2127,9 @@ def test_sample_show_misses(tmp_path, monkeypatch, capsys):
     acc = float(re.search(r"^\s+300\s+3\s+(\d+\.\d)%", out, re.M).group(1))
     misses = re.findall(r"miss at 300, sample (\d): wanted '(\d{5})', got '(.*)'", out)
     assert len(misses) == round(3 * (1 - acc / 100)) and all(w != g for _, w, g in misses), out
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--show_misses",
+                 "--device=cpu", "--seed=2026"])  # the prompts of another seed: other keys
+    assert not {w for _, w, _ in misses} & set(re.findall(r"wanted '(\d{5})'", capsys.readouterr().out))
     sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--device=cpu"])
     assert "miss at" not in capsys.readouterr().out
 
@@ -2013,7 +2137,8 @@ def test_sample_show_misses(tmp_path, monkeypatch, capsys):
 def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
     """The 'retrieved' column reads the picks that serve the answer: with topk >= the number of
     chunks every chunk is picked, so every needle that retrieval could reach counts as found;
-    with topk=1 a random model finds fewer. 'needle w' is the retrieval weight on the needle's chunks."""
+    with topk=1 a random model finds fewer. 'needle w' is the retrieval weight on the needle's chunks;
+    'hit@1' counts the needles found with the largest weight, all those found where there is one pick."""
     import sample
     _tokenizer_or_skip(monkeypatch)
     prompt, T = [5, 6, 7, 1, 2, 3, 8, 9, 1, 2, 4], 4
@@ -2024,13 +2149,16 @@ def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
         sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=2K", "--samples_per_length=6", "--segment=700",
                      "--device=cpu"])
         out = capsys.readouterr().out
-        assert re.search(r"retrieved\s+needle w\s+s/sample", out), out  # the columns parsed below
-        hit, eligible, w = re.search(r"^\s+2K\s+6\s+\d+\.\d%\s+(\d+)/(\d+)\s+(\d\.\d\d)\s", out, re.M).groups()
-        found[k] = int(hit), int(eligible), float(w)
-    hit, eligible, w = found[64]
+        assert re.search(r"in reach\s+hit@1\s+retrieved\s+needle w\s+s/sample", out), out  # the columns parsed below
+        top, top_of, hit, eligible, w = re.search(r"^\s+2K\s+6\s+\d+\.\d% \[\d+-\d+\]\s+\d+\s+(\d+)/(\d+)\s+(\d+)/(\d+)\s+"
+                                                  r"(\d\.\d\d)\s", out, re.M).groups()
+        assert top_of == eligible and int(top) <= int(hit), out  # hit@1: found, and with the largest weight
+        found[k] = int(hit), int(eligible), float(w), int(top)
+    assert found[1][3] == found[1][0], found  # one pick per group: a needle found is the top pick
+    hit, eligible, w, _ = found[64]
     assert eligible >= 4 and hit == eligible, found  # 2K tokens: 33 chunks, needles mostly far from the end
     assert 0 < w < 0.5, found  # every chunk picked: the needle's two chunks get a small part of the weight
-    hit, eligible, w = found[1]
+    hit, eligible, w, _ = found[1]
     assert hit < eligible, found
     assert (w > 0) == (hit > 0) and w <= hit / eligible + 0.005, found  # one pick: weight < 1, only where found (0.005: rounding)
 
@@ -2068,6 +2196,16 @@ BAD_SAMPLE_ARGS = [
     (["--device=cuda"], r"--device=cuda: no CUDA GPU here: pass --device=cpu"),
     (["--device=gpu0"], r"--device=gpu0: expected cpu, cuda or cuda:N"),
     (["--passkey", "--unseen_names"], r"--unseen_names: only multi-key has names: add --multikey"),
+    (["--multikey", "--keys=1"], r"--keys=1: multi-key's needle count, 2 to 16 \(4 as trained\): use it with --multikey"),
+    (["--multikey", "--keys=17"], r"--keys=17: multi-key's needle count, 2 to 16"),
+    (["--passkey", "--keys=8"], r"--keys=8: multi-key's needle count, .*: use it with --multikey"),
+    (["--passkey", "--digits=2"], r"--digits=2: keys of 3 to 7 digits"),
+    (["--passkey", "--digits=8"], r"--digits=8: keys of 3 to 7 digits"),
+    (["--passkey", "--template=nope"], r"--template=nope: passkey's and multi-key's phrasing, one of key, number, id, code"),
+    (["--vartrack", "--template=code"], r"--template=code: passkey's and multi-key's phrasing"),
+    (["--passkey", "--depth=1.5"], r"--depth=1.5: expected fractions of the filler in \[0, 1\] or 'reach'"),
+    (["--passkey", "--depth=0.1,deep"], r"--depth=0.1,deep: expected fractions"),
+    (["--vartrack", "--depth=0.5"], r"--depth: 2-hop's needles keep their order"),
     (["--passkey", "--lengths=4K,100M"], r"--lengths: 100M tokens is past the 64M this harness supports"),
     (["--copying", "--lengths=4K"], r"--lengths=4K: --copying has spans of its own lengths; --lengths is for --passkey"),
     (["--dtype=float16"], r"--dtype=float16: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
