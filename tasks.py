@@ -188,20 +188,25 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, answer_only=False,
-              min_depth=0, align=None, names=NAMES):
+              min_depth=0, align=None, names=NAMES, keys=(4, 4), templates=("key",)):
     """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
     y is the next token everywhere, or with answer_only=True only at the answer's positions
     (-1 elsewhere). From scratch a model needs the loss everywhere (the filler and the key's
-    second mention teach it to copy); after pre-training on text either works. names: multi-key's."""
+    second mention teach it to copy); after pre-training on text either works. names: multi-key's;
+    keys (lo, hi): its needle count, drawn per row; templates: one drawn per row. A choice of one
+    draws nothing from rng, so the defaults give the rows they gave before keys and templates."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
     y = torch.empty(batch_size, seq_len, dtype=torch.long)
     for b in range(batch_size):
         task = rng.choice(tasks)
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
-        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names)
+        n = rng.randint(*keys) if keys[0] < keys[1] else keys[0]
+        template = rng.choice(templates) if len(templates) > 1 else templates[0]
+        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
+                                      template)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]

@@ -1280,6 +1280,41 @@ def test_passkey_task(tmp_path, monkeypatch):
         train.main(["--task_names=words"])
 
 
+def test_task_keys_and_templates(tmp_path, monkeypatch):
+    """--task_keys and --task_templates reach the training rows (12 keys in the held-out phrasing
+    here, a range and a mix through get_batch); bad values are one-line ConfigErrors."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    rows, get_batch = [], tasks.get_batch
+
+    def spy(*a, **kw):  # the rows train.py trains and evaluates on
+        x, y = get_batch(*a, **kw)
+        rows.append(x)
+        return x, y
+
+    monkeypatch.setattr(tasks, "get_batch", spy)
+    train.main(["--dataset=multikey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
+                "--chunk_size=8", "--window=16", "--topk=3", "--block_size=250", "--batch_size=2", "--tokens_per_step=0",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=1", "--log_interval=1", "--device=cpu",
+                "--task_keys=12", "--task_templates=code", f"--out_dir={tmp_path / 'out'}"])
+    texts = [enc.decode(r.tolist()) for x in rows for r in x]
+    needles = [re.findall(r"The secret code for \w+ is \d+\.", t.split("What is")[0]) for t in texts]  # before the question
+    assert texts and all(len(n) == 12 for n in needles)
+    x, _ = get_batch("multikey", 24, 400, random.Random(0), enc, keys=(2, 16), templates=("key", "number"))
+    counts = [len(re.findall(r" (?:pass key|magic number) of \w+ is \d+\.", enc.decode(r.tolist()).split("What is")[0]))
+              for r in x]
+    assert min(counts) >= 2 and max(counts) <= 16 and len(set(counts)) > 3
+    assert {"pass key", "magic number"} == {re.search(r"What is the (pass key|magic number)", enc.decode(r.tolist()))[1]
+                                            for r in x}
+    for bad, message in [("--task_keys=1", r"task_keys='1' must be N or A-B, with 2 <= A <= B <= 16"),
+                         ("--task_keys=8-3", r"task_keys='8-3'"),
+                         ("--task_templates=key,nope", r"task_templates='key,nope' must be a comma list of key, number")]:
+        with pytest.raises(train.ConfigError, match=message):
+            train.main([bad])
+
+
 def test_word_pool(monkeypatch):
     """--task_names=pool: multi-key trains on thousands of one-token words, none of them a name any
     test asks about (NAMES, UNSEEN_NAMES), so only matching names can pass a test."""
