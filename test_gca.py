@@ -1762,7 +1762,7 @@ def test_task_variants(monkeypatch):
 
 
 def test_score_is_strict(monkeypatch):
-    """Right = the answer, then something that does not continue the number: the issue's
+    """Right = the answer, then something that does not continue the number: the
     [' 7', '14', '32', '5'] for 71432 spells 714325 and is wrong (the first len(answer) tokens alone
     would pass it); the answer alone, with nothing seen after it, is not yet right."""
     import tasks
