@@ -7,6 +7,7 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
     python sample.py --out_dir=out-passkey --passkey --lengths=64K,1M,16M --offload --samples_per_length=5
     python sample.py --out_dir=out-passkey --multikey --vartrack --haystack=data/pg19/val.bin
     python sample.py --out_dir=out-passkey-pretrain --copying --haystack=data/pg19/val.bin  # does it copy?
+    python sample.py --out_dir=out-passkey --multikey --keys=12 --template=code --depth=0.1,0.5,0.9,reach --seed=2026
 
 The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture
 flags. Prompts of any length are prefilled in segments and continued token by token with
@@ -19,6 +20,7 @@ import argparse
 import math
 import os
 import random
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -31,7 +33,8 @@ import common
 from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
 from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
-from tasks import NAMES, TASKS, UNSEEN_NAMES, Haystack, make_example, score
+from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, make_example, needles_and_question
+from tasks import occurrences, score
 
 
 PROGRESS_AFTER = 10  # seconds a prefill or a copying test runs before it says how far it got
@@ -86,11 +89,31 @@ def prefill(model, ids, state, segment, progress=None):
 def needle_chunk(prompt, answer, T):
     """The chunk (of T text tokens) where the answer first appears in the prompt, i.e. the chunk
     retrieval must bring back; None if the answer's tokens never appear as such."""
-    ids, n = np.asarray(prompt), len(answer)
-    for i in np.flatnonzero(ids[: len(ids) - n + 1] == answer[0]):
-        if ids[i : i + n].tolist() == answer:
-            return int(i + n // 2) // T  # a middle token: the chunk that holds most of it
-    return None
+    at = occurrences(prompt, answer)
+    return (at[0] + len(answer) // 2) // T if at else None  # a middle token: the chunk that holds most of it
+
+
+def in_reach(prompt, answer, T, reach):
+    """Whether the answer's last mention in the prompt lies within `reach` positions of the prompt's
+    last token, which predicts the answer: then the stacked windows can copy it and the prompt does
+    not test retrieval. Positions count the landmarks, one after every T text tokens (< reach, where
+    a window of W sees W-1 back: it errs toward calling a prompt in reach)."""
+    i = occurrences(prompt, answer)[-1] + len(answer) - 1
+    return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
+
+
+def wilson(k, n, z=1.96):
+    """The Wilson score interval of k successes in n (95% at z=1.96): unlike p +- z*se it stays
+    inside [0, 1] and is not empty at 0/n or n/n, where small tests sit."""
+    p, d = k / n, 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, mid - half), min(1.0, mid + half)  # at 0/n and n/n, exactly 0 and 1 give or take rounding
+
+
+def key_owner(needles, got, answer):
+    """The name whose key, in another needle than the asked one, the wrong answer `got` is, or None."""
+    owners = re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles))  # "of falcon is 71432.", "VAR XQZT = 71432."
+    return next((name for name, key in owners if key == got != answer), None)
 
 
 @torch.no_grad()
@@ -103,9 +126,16 @@ def greedy(model, logits, state, n):
     return out
 
 
-def multikey_names(args):
-    """The names multi-key's test prompts draw from."""
-    return UNSEEN_NAMES if args.unseen_names else NAMES
+def prompt_kwargs(args, cfg=None, depth=None):
+    """make_example's arguments for the test flags: the names, --keys, --template, --digits, and one
+    --depth bin ('reach' needs the model's config: the asked key just past the windows' reach)."""
+    kw = dict(names=UNSEEN_NAMES if args.unseen_names else NAMES, keys=args.keys, template=args.template,
+              digits=args.digits)
+    if depth == "reach":  # the fewest tokens that, landmarks counted, span the reach in positions
+        kw["past"] = window_reach(cfg) - window_reach(cfg) // cfg.chunk_size
+    elif depth is not None:
+        kw["depth"] = depth
+    return kw
 
 
 def prompt_seed(seed, task, L, i):
@@ -113,14 +143,14 @@ def prompt_seed(seed, task, L, i):
     return f"{seed}-{task}-{L}-{i}"
 
 
-def prompt_room(task, seed, enc, align=None, names=NAMES):
+def prompt_room(task, seed, enc, align=None, **kw):
     """Tokens that the needles and question of the test prompt drawn with random.Random(seed)
     take: the shortest length make_example accepts for it (with align, the shortest whose cut
     prompt still fits). Only short lengths are tried, so no long filler is built; whether a
     length fits grows with it (the needles are drawn first), so a bisection finds it."""
     def fits(n):
         try:
-            make_example(task, n, random.Random(seed), enc, align=align, names=names)
+            make_example(task, n, random.Random(seed), enc, align=align, **kw)
             return True
         except ValueError:  # too short for the needles and question
             return False
@@ -133,16 +163,16 @@ def prompt_room(task, seed, enc, align=None, names=NAMES):
     return lo
 
 
-def check_lengths(tasks, lengths, samples, seed, enc, align=None, names=NAMES):
+def check_lengths(tasks, lengths, samples, seed, enc, align=None, **kw):
     """Every test prompt must hold its needles and question: a length too short for the prompts
     run_task will draw is an error now, before the model loads, naming the shortest that works."""
     for task in tasks:
         # prompts differ by a few tokens (multikey: 62 to 69); no length below the longest of 64
         # probes passes, so that whether a length passes does not hang on the luck of its seeds
-        floor = max(prompt_room(task, i, enc, align, names) for i in range(64))
+        floor = max(prompt_room(task, i, enc, align, **kw) for i in range(64))
 
         def ok(L):  # every prompt run_task draws at length L fits
-            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc, align, names) <= L
+            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc, align, **kw) <= L
                                       for i in range(samples))
 
         for L in lengths:
@@ -166,62 +196,82 @@ def answer_prompt(model, prompt, n, state, segment, progress=None):
 
 def needle_picks(prompt, answer, picks, T):
     """Retrieval diagnosis of one prompt: was the needle's chunk (or the next one, whose memory saw
-    the needle through the lower layers' window) among the picks serving the answer? -> (found,
-    the weight the needle's chunks got), or None where retrieval could not pick it (the needle in
-    the last two chunks: chunk c reads what the landmark of chunk c-1 picked among chunks < c-1).
+    the needle through the lower layers' window) among the picks serving the answer? -> (found, hit@1:
+    did one of them get the largest weight among its group's picks (in any upper group), the weight
+    the needle's chunks got), or None where retrieval could not pick it (the needle in the last two
+    chunks: chunk c reads what the landmark of chunk c-1 picked among chunks < c-1). With several
+    needles, `found` passes a retriever that picks every key chunk whatever the name; hit@1 does not.
     picks: [(chunk ids (K,), weights (K,))] per upper group; T: text tokens per chunk."""
     need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
     if not picks or need is None or need >= last - 1:
         return None
     on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
     found = any(bool(m.any()) for m in on_needle)
+    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on_needle))
     # the weight (Eq. 3) the needle's chunks get, mean over the upper groups: GCA mixes the picked
     # chunks' outputs by it, so other chunks that hold an answer dilute this one
-    return found, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+
+
+def describe(task, args, depth):
+    """The test variant, for the table's title: the flags that change the prompts."""
+    parts = [(f"{args.keys} keys", task == "multikey"), (f"template {args.template}", args.template != "key"),
+             (f"{args.digits}-digit numbers", args.digits != 5),
+             (f"the asked needle at depth {depth}", depth not in (None, "reach")),
+             ("the asked key just past the windows' reach", depth == "reach"),
+             ("names unseen in training", args.unseen_names and task == "multikey")]
+    return "".join(f", {text}" for text, on in parts if on)
 
 
 @torch.no_grad()
-def run_task(model, enc, task, lengths, args, ctx, haystack=None):
-    """Accuracy of `task` at each context length; prints one table row per length."""
-    device = next(model.parameters()).device
-    align = None if args.no_align else model.config.chunk_size - 1
-    names = multikey_names(args)
-    print(f"\n{task}, retrieval {model.config.retriever}: {args.samples} samples per length, "
+def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
+    """Accuracy of `task` at each context length; prints one table row per length. depth: one --depth bin."""
+    device, cfg = next(model.parameters()).device, model.config
+    align = None if args.no_align else cfg.chunk_size - 1
+    kw, T, reach = prompt_kwargs(args, cfg, depth), cfg.chunk_size - 1, window_reach(cfg)
+    print(f"\n{task}, retrieval {cfg.retriever}: {args.samples} samples per length, "
           f"{'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
           f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}"
-          f"{', names unseen in training' if args.unseen_names and task == 'multikey' else ''}")
-    header = (f"{'length':>8} {'samples':>7} {'accuracy':>8} {'retrieved':>9} {'needle w':>8} {'s/sample':>9} "
-              f"{'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
+          f"{describe(task, args, depth)}")
+    header = (f"{'length':>8} {'samples':>7} {'accuracy [95% CI]':>17} {'in reach':>8} {'hit@1':>7} {'retrieved':>9} "
+              f"{'needle w':>8} {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
-    T = model.config.chunk_size - 1
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        correct, t0, kv, eligible, found, weight = 0, time.time(), 0, 0, 0, 0.0
+        correct, near, t0, kv, eligible, found, top, weight = 0, 0, time.time(), 0, 0, 0, 0, 0.0
         for i in range(args.samples):
-            rng = random.Random(prompt_seed(args.seed, task, L, i))  # same prompts for every model and run
-            prompt, answer = make_example(task, L, rng, enc, haystack, align=align, names=names)
+            seed = prompt_seed(args.seed, task, L, i)  # same prompts for every model and run
+            prompt, answer = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
             state = model.new_state(offload=args.offload)
             progress = None if L < 2**18 else (  # long prefills say how far they are
                 lambda msg, i=i: print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True))
             with ctx:
-                out, picks = answer_prompt(model, prompt, len(answer), state, args.segment, progress)
+                out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress)
             hit = score(out, answer, enc)
-            correct += hit
+            correct, near = correct + hit, near + in_reach(prompt, answer, T, reach)
             if args.show_misses and not hit:
-                print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {enc.decode(answer).strip()!r}, "
-                      f"got {enc.decode(list(out[: len(answer)])).strip()!r}", flush=True)
+                got, want = enc.decode(out).strip(), enc.decode(answer).strip()
+                # the needles are drawn first from the prompt's seed: draw them again
+                needles = needles_and_question(task, random.Random(seed), kw["names"], args.keys, args.template,
+                                               args.digits)[0]
+                owner = key_owner(needles, re.match(r"\d*", got).group(), want)
+                print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
+                      + (f" (another needle's key: {owner}'s)" if owner else ""), flush=True)
             got = needle_picks(prompt, answer, picks, T)
             if got is not None:
-                eligible, found, weight = eligible + 1, found + got[0], weight + got[1]
+                eligible, found, top, weight = eligible + 1, found + got[0], top + got[1], weight + got[2]
             kv = state.memory.nbytes()
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
         gpu = peak_mem_gib(device) if device.type == "cuda" else float("nan")
-        hits, share = (f"{found}/{eligible}", f"{weight / eligible:.2f}") if eligible else ("-", "-")
+        lo, hi = wilson(correct, args.samples)
+        acc = f"{correct / args.samples:.1%} [{100 * lo:.0f}-{100 * hi:.0f}]"
+        hits, tops, share = ((f"{found}/{eligible}", f"{top}/{eligible}", f"{weight / eligible:.2f}") if eligible
+                             else ("-", "-", "-"))
         gpu_col = f"{gpu:>8.2f}G" if gpu == gpu else f"{'-':>9}"  # no GPU: nan
-        print(f"{fmt_len(L):>8} {args.samples:>7} {correct / args.samples:>8.1%} {hits:>9} {share:>8} {dt:>9.2f} "
+        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {tops:>7} {hits:>9} {share:>8} {dt:>9.2f} "
               f"{gpu_col} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
@@ -437,6 +487,15 @@ def check_args(args):
         error(f"--device={args.device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
     if args.unseen_names and not args.multikey:
         error("--unseen_names: only multi-key has names: add --multikey")
+    if not 2 <= args.keys <= 16 or (args.keys != 4 and not args.multikey):
+        error(f"--keys={args.keys}: multi-key's needle count, 2 to 16 (4 as trained): use it with --multikey")
+    if not 3 <= args.digits <= 7:
+        error(f"--digits={args.digits}: keys of 3 to 7 digits (5 as trained)")
+    if args.template not in TEMPLATES or (args.template != "key" and not (args.passkey or args.multikey)):
+        error(f"--template={args.template}: passkey's and multi-key's phrasing, one of {', '.join(TEMPLATES)}")
+    if args.depth and args.vartrack:
+        error("--depth: 2-hop's needles keep their order (a variable is set before it is copied): drop --vartrack")
+    depth_bins(args.depth)
     if (args.ppl or args.inspect) and not args.docs:
         error("--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)")
     if args.max_tokens is not None and args.max_tokens < 2:
@@ -449,6 +508,19 @@ def check_args(args):
     if args.copying and args.lengths != LENGTHS and not any(getattr(args, t) for t in TASKS):
         error(f"--lengths={args.lengths}: --copying has spans of its own lengths; --lengths is for "
               f"--passkey, --multikey, --vartrack")
+
+
+def depth_bins(text):
+    """--depth: [None] (the needles at random depths), or the bins of a comma list of fractions and 'reach'."""
+    if text is None:
+        return [None]
+    try:
+        bins = [t if t == "reach" else float(t) for t in text.split(",")]
+    except ValueError:
+        bins = [math.nan]
+    if not all(b == "reach" or 0 <= b <= 1 for b in bins):
+        error(f"--depth={text}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9")
+    return bins
 
 
 def read_prompt(prompt):
@@ -518,7 +590,16 @@ def arg_parser():
                       help="multi-key asks for a second list of names (tasks.UNSEEN_NAMES), in no training "
                       "prompt: tells a model trained on tasks.NAMES (--task_names=twenty) matching names from "
                       "having learned those twenty")
-    test.add_argument("--show_misses", action="store_true", help="print each wrong answer next to the right one")
+    test.add_argument("--show_misses", action="store_true", help="print each wrong answer next to the right one "
+                      "(and whose key it is where another needle's)")
+    test.add_argument("--keys", type=int, default=4, help="multi-key: needles in each prompt (2-16); above the "
+                      "model's top-k, a retriever blind to the name cannot serve them all")
+    test.add_argument("--depth", default=None, help="where the asked needle lies: fractions of the filler (0.1,0.5,0.9: "
+                      "a table each), or 'reach': its key just past the stacked windows' reach of the question "
+                      "(None: every needle at a random depth)")
+    test.add_argument("--template", default="key", help=f"passkey's and multi-key's phrasing: {', '.join(TEMPLATES)} "
+                      "('code', 'The secret code for <name> is ...', is in none of the recipe's training prompts)")
+    test.add_argument("--digits", type=int, default=5, help="digits of every key (3-7)")
     test.add_argument("--no_align", action="store_true",
                       help="do not cut prompts so that the question's last token opens a chunk (the default "
                       "format, as in training: then the landmark before the answer has read the question)")
@@ -560,7 +641,7 @@ def main(argv=None):
         if max(lengths) > MAX_LENGTH:
             error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
                   f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
-        check_lengths(tasks, lengths, args.samples, args.seed, enc, names=multikey_names(args))
+        check_lengths(tasks, lengths, args.samples, args.seed, enc, **prompt_kwargs(args))
     if (tasks or args.copying) and args.haystack:
         haystack = load_haystack(args.haystack, enc)  # once, for every test
     docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None
@@ -576,9 +657,11 @@ def main(argv=None):
     if testing:
         if tasks:
             check_memory(model, max(lengths), args)
-        if tasks and not args.no_align:  # aligned prompts are up to chunk_size-2 tokens shorter: check again
-            check_lengths(tasks, lengths, args.samples, args.seed, enc, model.config.chunk_size - 1,
-                          multikey_names(args))
+        depths, cfg = depth_bins(args.depth), model.config
+        if tasks and (not args.no_align or "reach" in depths):  # aligned prompts are up to chunk_size-2 tokens
+            # shorter, and a key past the reach needs room the model's reach sets: check again
+            check_lengths(tasks, lengths, args.samples, args.seed, enc, None if args.no_align else cfg.chunk_size - 1,
+                          **prompt_kwargs(args, cfg, "reach" if "reach" in depths else None))
         modes = args.retrieval.split(",") if args.retrieval else [model.config.retriever]
         if args.ppl:
             perplexity(model, docs, modes, args, ctx)
@@ -589,7 +672,8 @@ def main(argv=None):
             if args.copying:
                 copy_test(model, args, ctx, haystack)
             for task in tasks:
-                run_task(model, enc, task, lengths, args, ctx, haystack)
+                for depth in depths:
+                    run_task(model, enc, task, lengths, args, ctx, haystack, depth)
         return
 
     ids = enc.encode_ordinary(prompt) or [enc.eot_token]

@@ -4,10 +4,12 @@ Synthetic long-context tasks, shared by training (train.py --dataset=passkey) an
 
   passkey   "The pass key is 71432. Remember it. 71432 is the pass key." hidden at a random
             depth in filler; asked at the end: "What is the pass key? The pass key is"
-  multikey  four "The pass key of <name> is <number>." needles; asked for one of them
+  multikey  four (or 2-16) "The pass key of <name> is <number>." needles; asked for one of them
   vartrack  2-hop variable tracking (RULER): "VAR X = 12345." ... "VAR Y = X." ... asked for Y,
             with a second chain "VAR A = 67890." ... "VAR B = A." interleaved as a distractor
 
+Held-out variants for tests (sample.py --keys, --template, --digits, --depth): 2-16 multi-key
+needles, other phrasings (TEMPLATES), keys of 3-7 digits, the asked needle at a chosen depth.
 Filler is the classic repeated "The grass is green. ..." or, with a Haystack, real book text.
 Everything works in token space (numpy arrays of GPT-2 ids), so a prompt has an exact length.
 
@@ -34,6 +36,7 @@ from prepare_pg19 import GPT2_VOCAB
 
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
 MAX_ANSWER = 5  # tokens an answer can take (a 5-digit number): a training row keeps room for it after the prompt
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
@@ -96,18 +99,36 @@ def filler(n, rng, enc, haystack=None):
     return np.resize(unit, offset + n)[offset:]
 
 
-def needles_and_question(task, rng, names=NAMES):
-    """-> (needle texts in order of appearance, question text, answer text). names: multi-key's."""
+# phrasings (sample.py --template, train.py --task_templates): passkey's needle and question, then multi-key's
+# ({n} the name, {k} the key). The recipe trains on "key"; "number" and "id" vary the phrasing in training;
+# "code" is held out, for tests alone: a model tested on it never read it
+TEMPLATES = {
+    "key": (" The pass key is {k}. Remember it. {k} is the pass key.", " What is the pass key? The pass key is",
+            " The pass key of {n} is {k}. Remember it.", " What is the pass key of {n}? The pass key of {n} is"),
+    "number": (" The magic number is {k}. Remember it.", " What is the magic number? The magic number is",
+               " The magic number of {n} is {k}.", " What is the magic number of {n}? The magic number of {n} is"),
+    "id": (" The access ID is {k}.", " What is the access ID? The access ID is",
+           " The access ID for {n} is {k}.", " What is the access ID for {n}? The access ID for {n} is"),
+    "code": (" The secret code is {k}.", " What is the secret code? The secret code is",
+             " The secret code for {n} is {k}.", " What is the secret code for {n}? The secret code for {n} is"),
+}
+
+
+def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=5):
+    """-> (needle texts in order of appearance, question text, answer text, the index of the needle
+    that holds the answer: None for vartrack, whose answer is two needles away). names: multi-key's;
+    keys: its needle count; template: a TEMPLATES name (passkey, multi-key); digits: of every number."""
+    number = lambda: str(rng.randrange(10 ** (digits - 1), 10**digits))  # noqa: E731
+    needle, question, named, named_question = TEMPLATES[template]
     if task == "passkey":
-        key = str(rng.randrange(10000, 100000))
-        return ([f" The pass key is {key}. Remember it. {key} is the pass key."],
-                " What is the pass key? The pass key is", f" {key}")
+        key = number()
+        return [needle.format(k=key)], question, f" {key}", 0
     if task == "multikey":
-        names = rng.sample(names, 4)
-        keys = [str(rng.randrange(10000, 100000)) for _ in names]
+        names = rng.sample(names, keys)
+        numbers = [number() for _ in names]
         ask = rng.randrange(len(names))
-        return ([f" The pass key of {n} is {k}. Remember it." for n, k in zip(names, keys)],
-                f" What is the pass key of {names[ask]}? The pass key of {names[ask]} is", f" {keys[ask]}")
+        return ([named.format(n=n, k=k) for n, k in zip(names, numbers)], named_question.format(n=names[ask]),
+                f" {numbers[ask]}", ask)
     if task == "vartrack":  # two chains, one asked: the other's number keeps "copy the number" at 50%
         names = []
         while len(names) < 4:  # distinct
@@ -115,21 +136,30 @@ def needles_and_question(task, rng, names=NAMES):
             if name not in names:
                 names.append(name)
         x, y, a, b = names
-        value, other = rng.sample(range(10000, 100000), 2)
+        value, other = rng.sample(range(10 ** (digits - 1), 10**digits), 2)
         chains = [[f" VAR {x} = {value}.", f" VAR {y} = {x}."], [f" VAR {a} = {other}.", f" VAR {b} = {a}."]]
         order = rng.sample([0, 0, 1, 1], 4)  # interleave the chains, each in its own order
         needles = [chains[c].pop(0) for c in order]
-        return needles, f" What is the value of VAR {y}? The value of VAR {y} is", f" {value}"
+        return needles, f" What is the value of VAR {y}? The value of VAR {y} is", f" {value}", None
     raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
 
 
-def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None, names=NAMES):
+def occurrences(ids, answer):
+    """Where the answer's tokens (a list) start in ids, in order."""
+    ids, n = np.asarray(ids), len(answer)
+    return [int(i) for i in np.flatnonzero(ids[: len(ids) - n + 1] == answer[0]) if ids[i : i + n].tolist() == answer]
+
+
+def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None, names=NAMES, keys=4,
+                 template="key", digits=5, depth=None, past=None):
     """A prompt of `length` tokens (filler with the needles at random depths, none before token
     min_depth, the question at the end) and the answer's token ids (a list). With align=T the
     prompt is cut to the longest length <= `length` whose last token opens a chunk of T text
     tokens (length - 1 a multiple of T): at most T-1 tokens shorter. rng: random.Random.
-    names: the names multi-key draws its four from."""
-    needles, question, answer = needles_and_question(task, rng, names)
+    names, keys, template, digits: as needles_and_question. depth (a fraction of the filler, 0 to 1)
+    puts the asked needle there (RULER's depth bins), the others at random; past=n puts it so that
+    its key's last mention ends n tokens before the prompt's last token, the others before it."""
+    needles, question, answer, ask = needles_and_question(task, rng, names, keys, template, digits)
     needles = [np.array(enc.encode_ordinary(t), dtype=np.int64) for t in needles]
     question, answer = np.array(enc.encode_ordinary(question), dtype=np.int64), enc.encode_ordinary(answer)
     if align:
@@ -139,30 +169,44 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
         raise ValueError(f"length {length} is too short for a {task} prompt (needs {length - n_fill} tokens)")
     if min_depth > n_fill:
         raise ValueError(f"length {length} is too short for a {task} prompt with needles from token {min_depth}")
-    cuts = sorted(rng.randrange(min_depth, n_fill + 1) for _ in needles)  # needle depths, in order
+    at = None if depth is None else min_depth + round(depth * (n_fill - min_depth))  # the asked needle's cut
+    if past is not None:  # what follows the asked needle: filler, then the question
+        key_end = occurrences(needles[ask], answer)[-1] + len(answer) - 1
+        at = n_fill - (past - (len(needles[ask]) - 1 - key_end) - len(question))
+        if not min_depth <= at <= n_fill:
+            raise ValueError(f"length {length} is too short for a {task} prompt with its key {past} tokens "
+                             f"before the end")
+    cuts = sorted(rng.randrange(min_depth, (n_fill if past is None else at) + 1) for _ in needles)  # in order
+    if at is not None:
+        cuts[ask] = at
     fill = filler(n_fill, rng, enc, haystack)
     parts, last = [], 0
-    for cut, needle in zip(cuts, needles):
-        parts += [fill[last:cut], needle]
-        last = cut
+    for i in sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask)):  # the asked one last at a tie
+        parts += [fill[last : cuts[i]], needles[i]]
+        last = cuts[i]
     return np.concatenate(parts + [fill[last:], question]), answer
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, answer_only=False,
-              min_depth=0, align=None, names=NAMES):
+              min_depth=0, align=None, names=NAMES, keys=(4, 4), templates=("key",)):
     """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
     y is the next token everywhere, or with answer_only=True only at the answer's positions
     (-1 elsewhere). From scratch a model needs the loss everywhere (the filler and the key's
-    second mention teach it to copy); after pre-training on text either works. names: multi-key's."""
+    second mention teach it to copy); after pre-training on text either works. names: multi-key's;
+    keys (lo, hi): its needle count, drawn per row; templates: one drawn per row. A choice of one
+    draws nothing from rng, so the defaults give the rows they gave before keys and templates."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
     y = torch.empty(batch_size, seq_len, dtype=torch.long)
     for b in range(batch_size):
         task = rng.choice(tasks)
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
-        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names)
+        n = rng.randint(*keys) if keys[0] < keys[1] else keys[0]
+        template = rng.choice(templates) if len(templates) > 1 else templates[0]
+        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
+                                      template)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]
@@ -173,6 +217,8 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
 
 
 def score(generated_ids, answer_ids, enc):
-    """1 if the first len(answer) generated tokens spell the answer, else 0. Only those count:
-    training never shows what follows an answer, so a model may go on with more digits."""
-    return int(enc.decode(list(generated_ids[: len(answer_ids)])).strip() == enc.decode(answer_ids).strip())
+    """1 if the generated text is the answer followed by something that does not continue the
+    number (a full stop, a space: not a digit), else 0: 71432 then 5 spells 714325, a wrong key.
+    Decode SCORE_AFTER tokens past the answer's, so that what follows it is seen."""
+    text, want = enc.decode(list(generated_ids)).lstrip(), enc.decode(answer_ids).strip()
+    return int(text.startswith(want) and len(text) > len(want) and not text[len(want)].isdigit())

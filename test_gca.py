@@ -1280,6 +1280,41 @@ def test_passkey_task(tmp_path, monkeypatch):
         train.main(["--task_names=words"])
 
 
+def test_task_keys_and_templates(tmp_path, monkeypatch):
+    """--task_keys and --task_templates reach the training rows (12 keys in the held-out phrasing
+    here, a range and a mix through get_batch); bad values are one-line ConfigErrors."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    rows, get_batch = [], tasks.get_batch
+
+    def spy(*a, **kw):  # the rows train.py trains and evaluates on
+        x, y = get_batch(*a, **kw)
+        rows.append(x)
+        return x, y
+
+    monkeypatch.setattr(tasks, "get_batch", spy)
+    train.main(["--dataset=multikey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
+                "--chunk_size=8", "--window=16", "--topk=3", "--block_size=250", "--batch_size=2", "--tokens_per_step=0",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=1", "--log_interval=1", "--device=cpu",
+                "--task_keys=12", "--task_templates=code", f"--out_dir={tmp_path / 'out'}"])
+    texts = [enc.decode(r.tolist()) for x in rows for r in x]
+    needles = [re.findall(r"The secret code for \w+ is \d+\.", t.split("What is")[0]) for t in texts]  # before the question
+    assert texts and all(len(n) == 12 for n in needles)
+    x, _ = get_batch("multikey", 24, 400, random.Random(0), enc, keys=(2, 16), templates=("key", "number"))
+    counts = [len(re.findall(r" (?:pass key|magic number) of \w+ is \d+\.", enc.decode(r.tolist()).split("What is")[0]))
+              for r in x]
+    assert min(counts) >= 2 and max(counts) <= 16 and len(set(counts)) > 3
+    assert {"pass key", "magic number"} == {re.search(r"What is the (pass key|magic number)", enc.decode(r.tolist()))[1]
+                                            for r in x}
+    for bad, message in [("--task_keys=1", r"task_keys='1' must be N or A-B, with 2 <= A <= B <= 16"),
+                         ("--task_keys=8-3", r"task_keys='8-3'"),
+                         ("--task_templates=key,nope", r"task_templates='key,nope' must be a comma list of key, number")]:
+        with pytest.raises(train.ConfigError, match=message):
+            train.main([bad])
+
+
 def test_word_pool(monkeypatch):
     """--task_names=pool: multi-key trains on thousands of one-token words, none of them a name any
     test asks about (NAMES, UNSEEN_NAMES), so only matching names can pass a test."""
@@ -1538,7 +1573,8 @@ def test_tasks(task, monkeypatch):
         assert len(prompt) == length and prompt.dtype == np.int64
         text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
         assert want.isdigit() and text.count(want) >= 1  # the answer is in the haystack
-        assert tasks.score(answer + enc.encode_ordinary("123. The"), answer, enc) == 1  # what follows is not scored
+        assert tasks.score(answer + enc.encode_ordinary(". The"), answer, enc) == 1
+        assert tasks.score(answer + enc.encode_ordinary("123. The"), answer, enc) == 0  # the number goes on: wrong
         assert tasks.score(enc.encode_ordinary(" 1" + want), answer, enc) == 0
     for answer_only in (True, False):
         x, y = tasks.get_batch(task, 3, 256, rng, enc, answer_only=answer_only)
@@ -1607,7 +1643,7 @@ def test_multikey_unseen_names(tmp_path, monkeypatch, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
     sample.main([f"--ckpt={ckpt}", "--multikey", "--unseen_names", "--lengths=300", "--samples_per_length=2",
                  "--device=cpu"])
-    assert re.search(r"^multikey, retrieval learned: .*names unseen in training\n(.*\n){2}\s+300\s+2\s+\d+\.\d%",
+    assert re.search(r"^multikey, retrieval learned: .*4 keys, names unseen in training\n(.*\n){2}\s+300\s+2\s+\d+\.\d%",
                      capsys.readouterr().out, re.M)
 
 
@@ -1632,6 +1668,233 @@ def test_question_alignment(monkeypatch):
     x, y = tasks.get_batch(list(tasks.TASKS), 6, 20 * T, random.Random(0), enc, answer_only=True, align=T)
     first = (y != -1).int().argmax(1)  # the position of " is", which predicts the answer
     assert ((first % T) == 0).all()
+
+
+def old_prompt(task, length, rng, enc, align):
+    """make_example as it was before the test variants, frozen (passkey, multi-key): the training prompts."""
+    import tasks
+    if task == "passkey":
+        key = str(rng.randrange(10000, 100000))
+        needles = [f" The pass key is {key}. Remember it. {key} is the pass key."]
+        question, answer = " What is the pass key? The pass key is", f" {key}"
+    else:
+        names = rng.sample(tasks.NAMES, 4)
+        keys = [str(rng.randrange(10000, 100000)) for _ in names]
+        ask = rng.randrange(4)
+        needles = [f" The pass key of {n} is {k}. Remember it." for n, k in zip(names, keys)]
+        question, answer = f" What is the pass key of {names[ask]}? The pass key of {names[ask]} is", f" {keys[ask]}"
+    needles, question = [enc.encode_ordinary(t) for t in needles], enc.encode_ordinary(question)
+    length -= (length - 1) % align
+    n_fill = length - len(question) - sum(map(len, needles))
+    cuts = sorted(rng.randrange(0, n_fill + 1) for _ in needles)
+    fill, bounds = tasks.filler(n_fill, rng, enc).tolist(), [0] + cuts
+    ids = [t for i, needle in enumerate(needles) for t in fill[bounds[i] : bounds[i + 1]] + needle]
+    return ids + fill[cuts[-1]:] + question, enc.encode_ordinary(answer)
+
+
+def test_task_defaults_are_the_training_prompts(monkeypatch):
+    """The test variants leave the defaults as they were: make_example's prompts are those of the
+    frozen copy above, and get_batch's rows those of its loop (a choice among one key count or one
+    template draws nothing from the rng), so the shipped recipe trains on the same rows."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    for task in ("passkey", "multikey"):
+        for i, length in enumerate((300, 1000, 1001)):
+            prompt, answer = tasks.make_example(task, length, random.Random(i), enc, align=7)
+            assert (prompt.tolist(), answer) == old_prompt(task, length, random.Random(i), enc, 7)
+    x, _ = tasks.get_batch(["passkey", "multikey"], 4, 300, random.Random(3), enc, align=7)
+    rng = random.Random(3)
+    for row in x:
+        prompt, answer = old_prompt(rng.choice(["passkey", "multikey"]), 300 + 1 - tasks.MAX_ANSWER, rng, enc, 7)
+        rest = tasks.filler(300 + 1 - len(prompt) - len(answer), rng, enc).tolist()
+        assert row.tolist() == (prompt + answer + rest)[:-1]
+
+
+def test_task_variants(monkeypatch):
+    """The held-out variants of sample.py, built by make_example: keys=N needles of distinct names
+    (the asked one's key the answer), a template's phrasing, keys of `digits` digits, the asked
+    needle at a depth of the filler, or its key `past` tokens before the end with the others before
+    it; every prompt aligned (its last token opens a chunk, through DRT.layout)."""
+    import random
+
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    model = DRT(tiny_config(vocab_size=50304, landmark_id=50257)).eval()  # chunks of 7 text tokens
+    T = model.config.chunk_size - 1
+    variants = [("multikey", dict(keys=2)), ("multikey", dict(keys=16, digits=3)), ("passkey", dict(digits=7)),
+                ("passkey", dict(template="code")), ("multikey", dict(template="code", keys=12)),
+                ("multikey", dict(template="id", depth=0.9)), ("passkey", dict(depth=0.1)),
+                ("multikey", dict(past=300, keys=8)), ("passkey", dict(past=200, template="number")),
+                ("vartrack", dict(digits=6))]
+    for i, (task, kw) in enumerate(variants):
+        prompt, answer = tasks.make_example(task, 700 + i, random.Random(i), enc, align=T, **kw)
+        text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
+        needle, question, named, named_question = tasks.TEMPLATES[kw.get("template", "key")]
+        assert want.isdigit() and len(want) == kw.get("digits", 5)
+        if task == "passkey":
+            assert needle.format(k=want) in text and text.endswith(question)
+        if task == "multikey":
+            pattern = re.escape(named).replace(re.escape("{n}"), r"(\w+)").replace(re.escape("{k}"), r"(\d+)")
+            keys = dict(re.findall(pattern, text))
+            asked = [name for name in keys if text.endswith(named_question.format(n=name))]
+            assert len(keys) == kw.get("keys", 4) and set(keys) <= set(tasks.NAMES) and len(asked) == 1
+            assert keys[asked[0]] == want
+        at = tasks.occurrences(prompt, answer)
+        if "depth" in kw:  # the asked needle at that depth of the filler, after the needles drawn before it
+            needles, q, _, ask = tasks.needles_and_question(task, random.Random(i), **{k: v for k, v in kw.items()
+                                                                                       if k != "depth"})
+            ids = [enc.encode_ordinary(t) for t in needles]
+            n_fill = len(prompt) - len(enc.encode_ordinary(q)) - sum(map(len, ids))
+            before = at[0] - tasks.occurrences(ids[ask], answer)[0] - round(kw["depth"] * n_fill)
+            assert 0 <= before <= sum(map(len, ids)) - len(ids[ask]), (at, n_fill)
+        if "past" in kw:  # its key's last mention ends `past` tokens before the end, after every other key
+            assert len(prompt) - 1 - (at[-1] + len(answer) - 1) == kw["past"]
+            assert all(text.index(k) < text.index(want) for k in re.findall(r" is (\d+)\.", text) if k != want)
+        assert (len(prompt) - 1) % T == 0 and enc.decode(prompt[-1:].tolist()) == " is"
+        state = model.new_state()
+        with torch.no_grad():
+            model(torch.from_numpy(prompt[None, :-1]), state=state)
+        assert state.n % model.config.chunk_size == 0  # the question's chunk is closed: its landmark is in
+    with pytest.raises(ValueError, match="too short for a passkey prompt with its key 500 tokens before the end"):
+        tasks.make_example("passkey", 400, random.Random(0), enc, past=500)
+
+
+def test_score_is_strict(monkeypatch):
+    """Right = the answer, then something that does not continue the number: the
+    [' 7', '14', '32', '5'] for 71432 spells 714325 and is wrong (the first len(answer) tokens alone
+    would pass it); the answer alone, with nothing seen after it, is not yet right."""
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+    answer = enc.encode_ordinary(" 71432")
+    pieces = lambda *texts: [t for s in texts for t in enc.encode_ordinary(s)]  # noqa: E731
+    assert tasks.score(answer + pieces(". Remember"), answer, enc) == 1
+    assert tasks.score(pieces(" 7", "14", "32", "."), answer, enc) == 1  # another spelling of the same number
+    assert tasks.score(answer + pieces(" is"), answer, enc) == 1
+    assert tasks.score(pieces(" 7", "14", "32", "5"), answer, enc) == 0
+    assert tasks.score(answer + pieces("5."), answer, enc) == 0
+    assert tasks.score(answer, answer, enc) == 0 and tasks.score(pieces(" 7143."), answer, enc) == 0
+
+
+@pytest.mark.parametrize("reply", [".", "5", "other"])
+def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
+    """run_task decodes past the answer and scores strictly: the key then '.' is right, the key's
+    tokens then '5' wrong; --show_misses names the needle whose key a wrong answer is."""
+    import sample
+    import tasks
+    enc = _tokenizer_or_skip(monkeypatch)
+
+    def answer_prompt(model, prompt, n, state, segment, progress=None):  # a model that answers `reply`
+        text = enc.decode(list(prompt))
+        keys = dict(re.findall(r"pass key of (\w+) is (\d+)\.", text))
+        asked = re.search(r"pass key of (\w+) is$", text)[1]
+        answer = enc.encode_ordinary(" " + keys[asked])
+        assert n == len(answer) + tasks.SCORE_AFTER
+        other = next(name for name in keys if name != asked)
+        print(f"other {other}")
+        out = enc.encode_ordinary(f" {keys[other]}.") if reply == "other" else answer + enc.encode_ordinary(reply)
+        return (out + enc.encode_ordinary(" The pass"))[:n], []
+
+    monkeypatch.setattr(sample, "answer_prompt", answer_prompt)
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--multikey", "--lengths=300",
+                 "--samples_per_length=3", "--show_misses", "--device=cpu"])
+    out = capsys.readouterr().out
+    acc = re.search(r"^\s+300\s+3\s+(\d+\.\d)% \[(\d+)-(\d+)\]", out, re.M)
+    assert float(acc[1]) == (100.0 if reply == "." else 0.0), out
+    assert (int(acc[2]), int(acc[3])) == tuple(round(100 * b) for b in sample.wilson(3 * (reply == "."), 3))
+    owners = re.findall(r"another needle's key: (\w+)'s\)$", out, re.M)
+    assert owners == (re.findall(r"^other (\w+)$", out, re.M) if reply == "other" else []), out
+
+
+def test_in_reach_counts_positions():
+    """in_reach: the answer's last mention lies within `reach` positions of the prompt's last token,
+    positions as DRT.layout lays them out (a landmark after every S-1 tokens); prompt_kwargs'
+    'reach' puts a key just past it at every chunk phase."""
+    import sample
+    model = DRT(tiny_config())  # S=8
+    S, T, reach, answer = 8, 7, 20, [5, 6]
+    cfg = type("Cfg", (), dict(n_lower=1, groups=(1,), window=10, chunk_size=S))  # window_reach 20
+    past = sample.prompt_kwargs(type("Args", (), dict(unseen_names=False, keys=4, template="key", digits=5)),
+                                cfg, "reach")["past"]
+    near = []
+    for n in range(30, 30 + S):  # every chunk phase of the prompt's end
+        for i in range(n - 2):
+            prompt = [1] * n
+            prompt[0:2] = prompt[i : i + 2] = answer  # two mentions: the later one counts
+            ids, _ = model.layout(torch.tensor([prompt]), 0)
+            pos = (ids[0] != model.config.landmark_id).nonzero().squeeze(1)  # the text tokens' positions
+            assert sample.in_reach(prompt, answer, T, reach) == (pos[-1] - pos[i + 1] < reach)
+            if n - 1 - (i + 1) == past:  # the key `past` tokens before the end: just out of reach
+                assert not sample.in_reach(prompt, answer, T, reach)
+            near += [sample.in_reach(prompt, answer, T, reach)] if n - 1 - (i + 1) == past - 1 else []
+    assert any(near)  # one token nearer, and some phase brings it in reach: `past` is the fewest
+
+
+def test_needle_picks_hit_at_1():
+    """hit@1: one of the needle's chunks (its own or the next) got the largest weight of a group's
+    picks, in any upper group; found: it was picked with a weight > 0 at all."""
+    import sample
+    T, answer = 4, [5, 6]
+    prompt = [9] * 40
+    prompt[13:15] = answer  # the needle's chunk: 14 // 4 = 3
+    P = lambda idx, w: (torch.tensor(idx), torch.tensor(w))  # noqa: E731
+    cases = [([P([3, 7], [0.6, 0.3])], True, True), ([P([7, 3], [0.6, 0.3])], True, False),
+             ([P([7, 4], [0.3, 0.6])], True, True), ([P([7, 3], [0.6, 0.0])], False, False),
+             ([P([7, 1], [0.6, 0.3]), P([2, 3], [0.1, 0.5])], True, True),
+             ([P([7, 1], [0.6, 0.3]), P([3, 2], [0.1, 0.5])], True, False), ([P([5, 6], [0.6, 0.3])], False, False)]
+    for picks, found, top in cases:
+        assert sample.needle_picks(prompt, answer, picks, T)[:2] == (found, top), picks
+
+
+def test_wilson_interval():
+    """The Wilson interval's bounds are the proportions x where the score test |p - x| / se(x), se(x)
+    = sqrt(x (1 - x) / n), equals z = 1.96; it holds p and stays in [0, 1], at 0/n and n/n too."""
+    import sample
+    for k, n in [(0, 5), (5, 5), (2, 2), (19, 20), (7, 20), (1, 10)]:
+        lo, hi = sample.wilson(k, n)
+        p = k / n
+        assert 0 <= lo <= p <= hi <= 1 and lo < hi
+        for x in (lo, hi):
+            assert abs((p - x) ** 2 - 1.96**2 * x * (1 - x) / n) < 1e-12
+    assert sample.wilson(5, 5)[1] == pytest.approx(1) and sample.wilson(0, 5)[0] == pytest.approx(0)
+
+
+def test_key_owner():
+    """--show_misses' owner of a wrong answer, read off the needles: another multi-key name, the
+    other chain's variable in 2-hop, none for the asked key or a number in no needle."""
+    import random
+
+    import sample
+    import tasks
+    for task, template in [("multikey", "key"), ("multikey", "code"), ("multikey", "id"), ("vartrack", "key")]:
+        needles, _, answer, _ = tasks.needles_and_question(task, random.Random(1), template=template)
+        answer = answer.strip()
+        owners = dict((k, n) for n, k in re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles)))
+        other = next(k for k in owners if k != answer)
+        assert sample.key_owner(needles, other, answer) == owners[other] and owners[other] in "".join(needles)
+        assert sample.key_owner(needles, answer, answer) is None and sample.key_owner(needles, "7", answer) is None
+
+
+def test_harness_depth_and_reach(tmp_path, monkeypatch, capsys):
+    """--depth: a table per bin, titled by it; 'in reach' counts the prompts whose asked key the
+    windows reach from the question: all at 200 tokens (the reach is 256 positions), none with
+    --depth=reach. --keys, --template and --digits show in the title."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "a.pt")
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--multikey", "--lengths=200", "--samples_per_length=2",
+                 "--device=cpu"])
+    assert re.findall(r"^\s+200\s+2\s+\d+\.\d% \[\d+-\d+\]\s+(\d+)\s", capsys.readouterr().out, re.M) == ["2", "2"]
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--multikey", "--keys=3", "--template=code", "--digits=4",
+                 "--depth=0.5,reach", "--lengths=600", "--samples_per_length=2", "--device=cpu"])
+    out = capsys.readouterr().out
+    titles = re.findall(r"^(\w+), retrieval learned: .*aligned to a chunk, (.*)$", out, re.M)
+    assert titles == [(task, f"{keys}template code, 4-digit numbers, {where}")
+                      for task, keys in (("passkey", ""), ("multikey", "3 keys, "))
+                      for where in ("the asked needle at depth 0.5", "the asked key just past the windows' reach")], out
+    near = re.findall(r"^\s+600\s+2\s+\d+\.\d% \[\d+-\d+\]\s+(\d+)\s", out, re.M)
+    assert len(near) == 4 and near[1] == near[3] == "0", out
 
 
 def test_haystack_mix(tmp_path, monkeypatch):
@@ -1670,7 +1933,8 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples_per_length=2",
                  "--offload", "--segment=100", "--device=cpu"])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d%\s+(\d/\d|-)\s", line)]
+    rows = [line for line in out.splitlines()
+            if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d% \[\d+-\d+\]\s+\d\s+(\d/\d|-)\s+(\d/\d|-)\s", line)]
     assert len(rows) == 4, out  # two lengths x two tasks
 
 
@@ -1898,6 +2162,9 @@ def test_sample_show_misses(tmp_path, monkeypatch, capsys):
     acc = float(re.search(r"^\s+300\s+3\s+(\d+\.\d)%", out, re.M).group(1))
     misses = re.findall(r"miss at 300, sample (\d): wanted '(\d{5})', got '(.*)'", out)
     assert len(misses) == round(3 * (1 - acc / 100)) and all(w != g for _, w, g in misses), out
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--show_misses",
+                 "--device=cpu", "--seed=2026"])  # the prompts of another seed: other keys
+    assert not {w for _, w, _ in misses} & set(re.findall(r"wanted '(\d{5})'", capsys.readouterr().out))
     sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--device=cpu"])
     assert "miss at" not in capsys.readouterr().out
 
@@ -1905,7 +2172,8 @@ def test_sample_show_misses(tmp_path, monkeypatch, capsys):
 def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
     """The 'retrieved' column reads the picks that serve the answer: with topk >= the number of
     chunks every chunk is picked, so every needle that retrieval could reach counts as found;
-    with topk=1 a random model finds fewer. 'needle w' is the retrieval weight on the needle's chunks."""
+    with topk=1 a random model finds fewer. 'needle w' is the retrieval weight on the needle's chunks;
+    'hit@1' counts the needles found with the largest weight, all those found where there is one pick."""
     import sample
     _tokenizer_or_skip(monkeypatch)
     prompt, T = [5, 6, 7, 1, 2, 3, 8, 9, 1, 2, 4], 4
@@ -1916,13 +2184,16 @@ def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
         sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=2K", "--samples_per_length=6", "--segment=700",
                      "--device=cpu"])
         out = capsys.readouterr().out
-        assert re.search(r"retrieved\s+needle w\s+s/sample", out), out  # the columns parsed below
-        hit, eligible, w = re.search(r"^\s+2K\s+6\s+\d+\.\d%\s+(\d+)/(\d+)\s+(\d\.\d\d)\s", out, re.M).groups()
-        found[k] = int(hit), int(eligible), float(w)
-    hit, eligible, w = found[64]
+        assert re.search(r"in reach\s+hit@1\s+retrieved\s+needle w\s+s/sample", out), out  # the columns parsed below
+        top, top_of, hit, eligible, w = re.search(r"^\s+2K\s+6\s+\d+\.\d% \[\d+-\d+\]\s+\d+\s+(\d+)/(\d+)\s+(\d+)/(\d+)\s+"
+                                                  r"(\d\.\d\d)\s", out, re.M).groups()
+        assert top_of == eligible and int(top) <= int(hit), out  # hit@1: found, and with the largest weight
+        found[k] = int(hit), int(eligible), float(w), int(top)
+    assert found[1][3] == found[1][0], found  # one pick per group: a needle found is the top pick
+    hit, eligible, w, _ = found[64]
     assert eligible >= 4 and hit == eligible, found  # 2K tokens: 33 chunks, needles mostly far from the end
     assert 0 < w < 0.5, found  # every chunk picked: the needle's two chunks get a small part of the weight
-    hit, eligible, w = found[1]
+    hit, eligible, w, _ = found[1]
     assert hit < eligible, found
     assert (w > 0) == (hit > 0) and w <= hit / eligible + 0.005, found  # one pick: weight < 1, only where found (0.005: rounding)
 
@@ -1960,6 +2231,16 @@ BAD_SAMPLE_ARGS = [
     (["--device=cuda"], r"--device=cuda: no CUDA GPU here: pass --device=cpu"),
     (["--device=gpu0"], r"--device=gpu0: expected cpu, cuda or cuda:N"),
     (["--passkey", "--unseen_names"], r"--unseen_names: only multi-key has names: add --multikey"),
+    (["--multikey", "--keys=1"], r"--keys=1: multi-key's needle count, 2 to 16 \(4 as trained\): use it with --multikey"),
+    (["--multikey", "--keys=17"], r"--keys=17: multi-key's needle count, 2 to 16"),
+    (["--passkey", "--keys=8"], r"--keys=8: multi-key's needle count, .*: use it with --multikey"),
+    (["--passkey", "--digits=2"], r"--digits=2: keys of 3 to 7 digits"),
+    (["--passkey", "--digits=8"], r"--digits=8: keys of 3 to 7 digits"),
+    (["--passkey", "--template=nope"], r"--template=nope: passkey's and multi-key's phrasing, one of key, number, id, code"),
+    (["--vartrack", "--template=code"], r"--template=code: passkey's and multi-key's phrasing"),
+    (["--passkey", "--depth=1.5"], r"--depth=1.5: expected fractions of the filler in \[0, 1\] or 'reach'"),
+    (["--passkey", "--depth=0.1,deep"], r"--depth=0.1,deep: expected fractions"),
+    (["--vartrack", "--depth=0.5"], r"--depth: 2-hop's needles keep their order"),
     (["--passkey", "--lengths=4K,100M"], r"--lengths: 100M tokens is past the 64M this harness supports"),
     (["--copying", "--lengths=4K"], r"--lengths=4K: --copying has spans of its own lengths; --lengths is for --passkey"),
     (["--dtype=float16"], r"--dtype=float16: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),

@@ -30,6 +30,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -83,6 +84,8 @@ task_loss = "all"  # synthetic tasks: 'all' = next-token loss everywhere (teache
 task_haystack = ""  # synthetic tasks: real text to hide the needles in, a .bin of prepare_pg19.py (e.g. data/pg19/train.bin); "" = the repeated sentences only
 task_haystack_frac = 0.5  # synthetic tasks with task_haystack: the fraction of prompts in real text, the rest in the sentences
 task_names = "pool"  # multi-key's names in training: 'pool' = ~12K one-token words (tasks.word_pool), none a test uses, so the model must learn to match names; 'twenty' = tasks.NAMES (its models then answer for those twenty alone)
+task_keys = "4"  # multi-key's needles per training prompt: N, or A-B for a count drawn per prompt (2-16: beyond top-k, retrieval must match the name to serve the answer)
+task_templates = "key"  # the phrasings of passkey and multi-key in training, a comma list of tasks.TEMPLATES, one drawn per prompt ('key,number,id' varies it; 'code' is sample.py's held-out phrasing)
 task_align = True  # synthetic tasks: cut prompts so the question's last token opens a chunk, so the landmark whose retrieval serves the answer has read the question (the paper pads its prompts so, Appendix D)
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380 per GPU
 block_size = 16380  # text tokens per sequence: 260 chunks of 63, the paper's 16K training length
@@ -209,6 +212,9 @@ def check_config(config):
          f"copy_frac={c.copy_frac} mixes copy rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         (c.task_loss not in ("all", "answer"), f"task_loss={c.task_loss!r} must be 'all' or 'answer'"),
         (c.task_names not in ("twenty", "pool"), f"task_names={c.task_names!r} must be 'twenty' or 'pool'"),
+        (parse_task_keys(c.task_keys) is None, f"task_keys={c.task_keys!r} must be N or A-B, with 2 <= A <= B <= 16"),
+        (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys(),
+         f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}"),
         (not re.fullmatch(r"auto|cpu|cuda(:\d+)?", c.device),
          f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
         ("," in c.dataset and not is_tasks(c.dataset),
@@ -397,6 +403,13 @@ def lock_out_dir(out_dir):
     LOCK.append(f)
 
 
+def parse_task_keys(text):
+    """--task_keys: 'N' or 'A-B' -> (A, B), multi-key's needle counts in training; None if it reads as neither."""
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    keys = m and (int(m[1]), int(m[2] or m[1]))
+    return keys if keys and 2 <= keys[0] <= keys[1] <= 16 else None
+
+
 def is_tasks(dataset):
     """Whether --dataset names synthetic tasks (tasks.py) rather than a prepared text dataset."""
     return all(t in tasks.TASKS for t in dataset.split(","))
@@ -412,15 +425,16 @@ class Data:
             self.enc, self.vocab = get_tokenizer(), GPT2_VOCAB  # the tasks' text is GPT-2 tokens
             self.align = c.chunk_size - 1 if c.task_align else None
             self.names = tasks.word_pool(self.enc) if c.task_names == "pool" else tasks.NAMES
+            self.keys, self.templates = parse_task_keys(c.task_keys), tuple(c.task_templates.split(","))
             try:
                 self.haystack = tasks.Haystack(c.task_haystack, self.enc) if c.task_haystack else None
             except (OSError, ValueError) as e:
                 raise ConfigError(f"task_haystack: {e}") from None
             try:  # the longest needles and question must fit after task_min_depth
-                for task in self.tasks:
-                    for i in range(8):
-                        tasks.make_example(task, c.block_size + 1 - tasks.MAX_ANSWER, random.Random(i), self.enc,
-                                           min_depth=c.task_min_depth, align=self.align, names=self.names)
+                for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
+                    tasks.make_example(task, c.block_size + 1 - tasks.MAX_ANSWER, random.Random(i), self.enc,
+                                       min_depth=c.task_min_depth, align=self.align, names=self.names,
+                                       keys=self.keys[1], template=template)
             except ValueError as e:
                 raise ConfigError(f"{e}: raise --block_size or lower --task_min_depth") from None
             return
@@ -453,7 +467,7 @@ class Data:
         if self.tasks:
             x, y = tasks.get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack,
                                    c.task_haystack_frac, not training or c.task_loss == "answer",
-                                   c.task_min_depth, self.align, self.names)
+                                   c.task_min_depth, self.align, self.names, self.keys, self.templates)
         else:
             path, n = self.splits[split]
             data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
