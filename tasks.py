@@ -37,7 +37,9 @@ from prepare_pg19 import GPT2_VOCAB
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
-MAX_ANSWER = 5  # tokens an answer can take (a 5-digit number): a training row keeps room for it after the prompt
+ANSWER_END = "."  # what follows a key in its needle; training rows end their answer with it, so a model learns
+# to stop the number (tests score the key followed by a digit as wrong)
+MAX_ANSWER = 6  # tokens an answer can take (a 5-digit number, then ANSWER_END): a training row keeps room after the prompt
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
 # a second test list (sample.py --unseen_names), never in a training prompt: with train.py --task_names=twenty
@@ -192,7 +194,8 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
     """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
-    y is the next token everywhere, or with answer_only=True only at the answer's positions
+    The answer is followed by ANSWER_END, as the key is in its needle. y is the next token
+    everywhere, or with answer_only=True only at the answer's and ANSWER_END's positions
     (-1 elsewhere). From scratch a model needs the loss everywhere (the filler and the key's
     second mention teach it to copy); after pre-training on text either works. names: multi-key's;
     keys (lo, hi): its needle count, drawn per row; templates: one drawn per row. A choice of one
@@ -207,6 +210,7 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
         prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
                                       template)
+        answer = answer + enc.encode_ordinary(ANSWER_END)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]

@@ -1582,10 +1582,11 @@ def test_tasks(task, monkeypatch):
         if not answer_only:
             assert torch.equal(y[:, :-1], x[:, 1:]) and (y != -1).all()  # the next token everywhere
             continue
-        for b in range(3):  # the loss on the answer alone, then filler to the end of the row
+        for b in range(3):  # the loss on the answer and the full stop that ends it, then filler to the row's end
             on = (y[b] != -1).nonzero().squeeze(1)
-            assert 1 <= len(on) <= 5 and torch.equal(on, torch.arange(on[0], on[0] + len(on)))
-            assert enc.decode(x[b, on[0] + 1 : on[-1] + 1].tolist() + [y[b, on[-1]].item()]).strip().isdigit()
+            assert 2 <= len(on) <= tasks.MAX_ANSWER and torch.equal(on, torch.arange(on[0], on[0] + len(on)))
+            said = enc.decode(x[b, on[0] + 1 : on[-1] + 1].tolist() + [y[b, on[-1]].item()]).strip()
+            assert said.endswith(tasks.ANSWER_END) and said[:-1].isdigit(), said
             assert enc.decode(x[b, : on[0] + 1].tolist()).endswith(" is")  # the question's last token
     with pytest.raises(ValueError, match="too short"):
         tasks.make_example(task, 20, rng, enc)
@@ -1694,8 +1695,8 @@ def old_prompt(task, length, rng, enc, align):
 
 def test_task_defaults_are_the_training_prompts(monkeypatch):
     """The test variants leave the defaults as they were: make_example's prompts are those of the
-    frozen copy above, and get_batch's rows those of its loop (a choice among one key count or one
-    template draws nothing from the rng), so the shipped recipe trains on the same rows."""
+    frozen copy above, and get_batch's rows those of its loop with the answer's full stop (a choice
+    among one key count or one template draws nothing from the rng)."""
     import random
 
     import tasks
@@ -1708,6 +1709,7 @@ def test_task_defaults_are_the_training_prompts(monkeypatch):
     rng = random.Random(3)
     for row in x:
         prompt, answer = old_prompt(rng.choice(["passkey", "multikey"]), 300 + 1 - tasks.MAX_ANSWER, rng, enc, 7)
+        answer = answer + enc.encode_ordinary(".")
         rest = tasks.filler(300 + 1 - len(prompt) - len(answer), rng, enc).tolist()
         assert row.tolist() == (prompt + answer + rest)[:-1]
 

@@ -7,8 +7,9 @@
 # Half the prompts hide the needles in PG19 training books, half in the repeated "The grass is
 # green." filler: against the filler alone the retriever learns to find the one chunk that is not
 # filler, and finds nothing among real sentences. The loss is on the answer alone: with the loss
-# on every token, the books' language modelling drowns the answer's signal. The question is
-# aligned so that the landmark whose retrieval serves the answer has read it (Appendix D). Needles
+# on every token, the books' language modelling drowns the answer's signal. It covers the full
+# stop after the answer, as after the key in its needle: trained on the digits alone, the models
+# wrote the right key and went on with more digits. The question is aligned so that the landmark whose retrieval serves the answer has read it (Appendix D). Needles
 # stay out of the first 256 tokens, whose chunks are told apart by having no past. Multi-key's
 # names are drawn from thousands of words, none a test asks about, so the model must match them.
 out_dir = "out-passkey"
