@@ -9,9 +9,9 @@
 # filler, and finds nothing among real sentences. The loss is on the answer alone: with the loss
 # on every token, the books' language modelling drowns the answer's signal. It covers the full
 # stop after the answer, as after the key in its needle: trained on the digits alone, the models
-# wrote the right key and went on with more digits. The question is aligned so that the landmark whose retrieval serves the answer has read it (Appendix D). Needles
-# stay out of the first 256 tokens, whose chunks are told apart by having no past. Multi-key's
-# names are drawn from thousands of words, none a test asks about, so the model must match them.
+# wrote the right key and went on with more digits. The question is aligned so that the
+# landmark whose retrieval serves the answer has read it (Appendix D). Needles stay out of the
+# first 256 tokens, whose chunks are told apart by having no past. Multi-key's names are drawn from thousands of words, none a test asks about, so the model must match them.
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
 dataset = "passkey,multikey"  # one model for both; adding 2-hop (vartrack), which this small model never learns, left multi-key half-learned in 1 seed of 3
