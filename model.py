@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch < 2.5: blocked SDPA everywhere
+except ImportError:  # torch < 2.5: tiled SDPA everywhere
     flex_attention = None
 
 try:  # FlashGCA, the fused Triton kernels of GCA; where Triton is missing, the PyTorch reference serves
@@ -108,10 +108,6 @@ class DRTConfig:
     def n_upper(self):
         return sum(self.groups)
 
-    @property
-    def hidden(self):
-        return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
-
 
 def window_reach(cfg):
     """Positions the stacked self-attention windows see back from a token, (n_lower + n_upper) x W:
@@ -147,22 +143,21 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
 
 
 # -----------------------------------------------------------------------------
-# Sliding-window self-attention without a T x T mask: queries in blocks of W, each block
-# attends to the keys of its own and the previous block (2W keys) under one shared bias.
-# Memory O(T * W); the block layout is the same on CPU and GPU (SDPA picks the kernel).
+# Sliding-window self-attention without a T x T mask: queries in tiles of W, each tile attends
+# to the keys of its own and the previous tile (2W keys) under one shared bias. Memory O(T * W).
 
 
 def window_attention(q, k, v, pos0, window, slopes, ring=None):
     """q, k, v: (B, H, L, D) for positions pos0 .. pos0+L-1 of a stream. ring: the layer's
     KVRing holding the W positions before pos0 (decoding / segmented prefill), or None.
     Returns (B, H, L, D). A whole sequence on a GPU goes through FlexAttention, which skips
-    the masked blocks; everything else (CPU, the ring) through blocked SDPA below."""
+    the masked tiles; everything else (CPU, the ring) through tiled SDPA below."""
     if ring is None and q.is_cuda and flex_attention is not None:
         return flex_window_attention(q, k, v, window, slopes)
     B, H, L, D = q.shape
     W = window
     dev = q.device
-    # block 0: the first L0 queries see the ring (the previous W positions) and the segment's start
+    # tile 0: the first L0 queries see the ring (the previous W positions) and the segment's start
     L0 = min(L, W)
     q_pos = pos0 + torch.arange(L0, device=dev)
     k0, v0, k_pos = k[:, :, :L0], v[:, :, :L0], q_pos
@@ -173,43 +168,42 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
     y = F.scaled_dot_product_attention(q[:, :, :L0], k0, v0, attn_mask=mask)
     if L <= W:
         return y
-    # blocks 1..nb: block b holds queries [bW, bW+W) and keys [bW-W, bW+W), all inside the segment
-    nb = cdiv(L - W, W)
-    pad = (nb + 1) * W - L  # future positions at the end: causally invisible to every real query
-    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, (nb+1)W, D)
-    qb = qb[:, :, W:].unflatten(2, (nb, W))  # (B, H, nb, W, D)
-    kb, vb = (t.unfold(2, 2 * W, W).transpose(-1, -2) for t in (kb, vb))  # (B, H, nb, 2W, D)
-    qb, kb, vb = (t.transpose(1, 2).flatten(0, 1) for t in (qb, kb, vb))  # (B*nb, H, ., D)
-    pos1 = pos0 + W  # the bias is the same for every block: build it from block 1's positions
+    # tiles 1..nt: tile t holds queries [tW, tW+W) and keys [tW-W, tW+W), all inside the segment
+    nt = cdiv(L - W, W)
+    pad = (nt + 1) * W - L  # future positions at the end: causally invisible to every real query
+    qt, kt, vt = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, (nt+1)W, D)
+    qt = qt[:, :, W:].unflatten(2, (nt, W))  # (B, H, nt, W, D)
+    kt, vt = (t.unfold(2, 2 * W, W).transpose(-1, -2) for t in (kt, vt))  # (B, H, nt, 2W, D)
+    qt, kt, vt = (t.transpose(1, 2).flatten(0, 1) for t in (qt, kt, vt))  # (B*nt, H, ., D)
+    pos1 = pos0 + W  # the bias is the same for every tile: build it from tile 1's positions
     mask = alibi_bias(pos1 + torch.arange(W, device=dev), pos0 + torch.arange(2 * W, device=dev), slopes, W)
-    yb = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.to(q.dtype))  # (B*nb, H, W, D)
-    yb = yb.unflatten(0, (B, nb)).transpose(1, 2).flatten(2, 3)[:, :, : L - W]  # (B, H, L-W, D)
-    return torch.cat([y, yb], 2)
+    yt = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.to(q.dtype))  # (B*nt, H, W, D)
+    yt = yt.unflatten(0, (B, nt)).transpose(1, 2).flatten(2, 3)[:, :, : L - W]  # (B, H, L-W, D)
+    return torch.cat([y, yt], 2)
 
 
-# The same window through FlexAttention (a whole sequence, no ring): a block mask built from
-# the band's structure, so only the blocks the window touches are computed, and ALiBi as a
-# score_mod. Query and key indices are positions in the sequence: their difference is exact.
+# The same window through FlexAttention (a whole sequence, no ring): a BlockMask built from the
+# band's structure, so only the tiles the window touches are computed, and ALiBi as a score_mod.
+# Query and key indices are positions in the sequence: their difference is exact.
 
-FLEX_BLOCK = 128  # FlexAttention's block-mask tile; the band is made of these blocks
-# Kernel tiles for the CUDA path, found by max-autotune at the training shape on an H200 (16,640
-# positions, 12 heads of 64, window 512): forward+backward 0.49 ms against 0.73 ms with the default
-# tiles; tuning inside every compile instead would add minutes to the first step.
+FLEX_TILE = 128  # the BlockMask's tile (FlexAttention's BLOCK_SIZE); the band is made of these tiles
+# kernel tiles for bf16/fp16 on CUDA, fixed once by max-autotune at the training shape: tuning
+# inside every compile would add minutes to the first step
 FLEX_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
                 "num_warps": 4, "num_stages": 3}
 
 
-def window_block_mask(L, W, device, block=FLEX_BLOCK):
+def window_block_mask(L, W, device, tile=FLEX_TILE):
     """The causal window 0 <= i - j < W over L positions as a BlockMask, from the band's shape
-    (never an L x L mask): query block i meets key blocks i - t, for t = 0 .. n. Blocks t = 1 ..
-    f lie wholly inside the window ('full': no mask to apply); t = 0 (the causal edge) and t =
+    (never an L x L mask): query tile i meets key tiles i - t, for t = 0 .. n. Tiles t = 1 .. f
+    lie wholly inside the window ('full': no mask to apply); t = 0 (the causal edge) and t =
     f+1 .. n (the window's far edge) are partial."""
-    f = max(0, (W - block) // block)  # t * block + block - 1 < W: every pair inside the window
-    n = (W + block - 2) // block  # t * block - block + 1 <= W - 1: some pair inside
-    nq = cdiv(L, block)
-    i = torch.arange(nq, device=device, dtype=torch.int32)[:, None]  # (nq, 1) query blocks
+    f = max(0, (W - tile) // tile)  # t * tile + tile - 1 < W: every pair inside the window
+    n = (W + tile - 2) // tile  # t * tile - tile + 1 <= W - 1: some pair inside
+    nq = cdiv(L, tile)
+    i = torch.arange(nq, device=device, dtype=torch.int32)[:, None]  # (nq, 1) query tiles
 
-    def blocks(t):  # key blocks i - t, the valid ones (>= 0) first: t ascends, so they are
+    def key_tiles(t):  # key tiles i - t, the valid ones (>= 0) first: t ascends, so they are
         j = i - torch.tensor(t, device=device, dtype=torch.int32)  # (nq, len(t))
         j = F.pad(j, (0, nq - len(t)), value=-1) if len(t) < nq else j[:, :nq]  # BlockMask wants (nq, nq)
         return (j >= 0).sum(1, dtype=torch.int32)[None, None], j.clamp(min=0)[None, None]
@@ -217,9 +211,9 @@ def window_block_mask(L, W, device, block=FLEX_BLOCK):
     def visible(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < W)
 
-    partial = blocks([0] + list(range(f + 1, n + 1)))
-    full = blocks(list(range(1, f + 1))) if f else (None, None)
-    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=visible, seq_lengths=(L, L))
+    partial = key_tiles([0] + list(range(f + 1, n + 1)))
+    full = key_tiles(list(range(1, f + 1))) if f else (None, None)
+    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=tile, mask_mod=visible, seq_lengths=(L, L))
 
 
 @functools.cache
@@ -227,7 +221,7 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)  # uncompiled, FlexAttention is a dense reference
 
 
-def flex_window_attention(q, k, v, window, slopes, block=FLEX_BLOCK):
+def flex_window_attention(q, k, v, window, slopes, tile=FLEX_TILE):
     """window_attention for a whole sequence (no ring) through FlexAttention. q, k, v: (B, H, L, D).
     On a GPU outside torch.compile it runs a compiled FlexAttention (inside, the model's compile
     covers it); on a CPU the unfused reference (tests)."""
@@ -235,7 +229,7 @@ def flex_window_attention(q, k, v, window, slopes, block=FLEX_BLOCK):
         return score - slopes[h] * (q_idx - kv_idx)
     attend = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     options = FLEX_OPTIONS if q.is_cuda and q.element_size() == 2 else None  # tuned for bf16/fp16 tiles
-    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, block),
+    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, tile),
                   kernel_options=options)
 
 
@@ -441,8 +435,9 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden, bias=False)  # gate and up, one matmul
-        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
+        width = cfg.mlp_hidden or 64 * math.ceil(8 * cfg.n_embd / 3 / 64)  # 8/3 d keeps a 4d MLP's parameters
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * width, bias=False)  # gate and up, one matmul
+        self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
 
     def forward(self, x):
         gate, up = self.c_fc(x).chunk(2, dim=-1)
@@ -489,10 +484,8 @@ class Block(nn.Module):
 
 class UpperBlock(Block):
     """Upper decoder layer (§3.1): sliding-window self-attention, then GCA over the retrieved
-    chunks, whose output feeds the MLP's input but not the residual stream:
-        h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))
-    (the release found that feeding GCA into the MLP input only, not the carried residual,
-    mattered; we keep it)."""
+    chunks, whose output feeds the MLP's input but not the residual stream (as in the authors'
+    release): h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))"""
 
     def __init__(self, cfg):
         super().__init__(cfg, causal=True)
@@ -514,20 +507,16 @@ class UpperBlock(Block):
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
 
-CE_ROWS = 4096  # rows per chunk of LinearCrossEntropy: 4096 x 50,304 fp32 logits = 0.8 GB at a time
+CE_ROWS = 4096  # rows of logits LinearCrossEntropy holds at a time: 4096 x 50,304 fp32 = 0.8 GB
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), computed chunk
-    of rows by chunk: x (N, C), weight (V, C), targets (N,) -> a scalar. The (N, V) logits are
-    never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
-    three times that with their fp32 softmax and gradient). The forward takes each chunk's
-    gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
-    onehot), only those a backward will use (none under no_grad: an evaluation costs one
-    matmul, not three); the backward only scales them. Matmuls follow autocast, sums are fp32.
-    Compiled, the gradient comes out of one fused pass from bf16 logits to bf16 (an fp32 gradient
-    cast later for the matmuls cost 1.6 ms more per 16,380 tokens on an H200); eager, it is made
-    in place."""
+    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), CE_ROWS rows at
+    a time, so the (N, V) logits are never held whole: x (N, C), weight (V, C), targets (N,) -> a
+    scalar. The forward takes each row's gradient from the softmax it takes the loss from (d loss /
+    d logits = softmax - onehot), and only the gradients a backward will use (none under no_grad:
+    an evaluation costs one matmul, not three); the backward only scales them. Matmuls follow
+    autocast, sums are fp32."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, grad_enabled):

@@ -192,7 +192,7 @@ def test_flex_window_attention(L, W, block):
     dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + alibi_bias(pos, pos, slopes, W), -1) @ v
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
-        flex = flex_window_attention(q, k, v, W, slopes, block=block)
+        flex = flex_window_attention(q, k, v, W, slopes, tile=block)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(window_attention(q, k, v, 0, W, slopes), dense, rtol=1e-5, atol=1e-5)
 
