@@ -254,6 +254,20 @@ def from_chunks(x, offset, L):
     return x.flatten(1, 2)[:, offset : offset + L]
 
 
+def insert_landmarks(idx, cfg, n0=0):
+    """§3.1: idx (B, T) text ids continuing a stream of n0 positions -> (ids (B, L), offset): the
+    landmark id after every S-1 text tokens, eagerly (a chunk whose last text token arrives is
+    finished in the same call), and the segment's offset n0 % S in its first chunk."""
+    S, (B, T) = cfg.chunk_size, idx.shape
+    offset = n0 % S
+    n_chunks = cdiv(offset + T, S - 1)
+    grid = torch.full((B, n_chunks * (S - 1)), cfg.landmark_id, dtype=idx.dtype, device=idx.device)
+    grid[:, offset : offset + T] = idx
+    grid = torch.cat([grid.view(B, n_chunks, S - 1), grid.new_full((B, n_chunks, 1), cfg.landmark_id)], 2)
+    n_full, rem = divmod(offset + T, S - 1)  # finished chunks (landmark included) and leftover tokens
+    return grid.view(B, n_chunks * S)[:, offset : n_full * S + rem], offset
+
+
 class ChunkEncoder(nn.Module):
     """Bidirectional encoder of finished chunks (§3.1 of the paper). Input: last lower layer's
     states, RMSNorm'd, cut into chunks of S. Output per chunk: the landmark vector l (the
@@ -596,20 +610,6 @@ class DRT(nn.Module):
         first forward's). offload=True keeps the chunk keys/values in host memory (§3.2)."""
         return DecodeState(self.config, self.wte.weight.device, offload, start_pos)
 
-    def layout(self, idx, n0):
-        """Insert landmarks (§3.1 of the paper). idx (B, T) text ids continuing a stream that has
-        n0 positions -> ids (B, L) of positions, landmark after every S-1 text tokens (eagerly:
-        a chunk whose last text token arrives is finished in the same call), and the segment's
-        offset n0 % S in its first chunk."""
-        S, (B, T) = self.config.chunk_size, idx.shape
-        offset = n0 % S
-        n_chunks = cdiv(offset + T, S - 1)
-        grid = torch.full((B, n_chunks * (S - 1)), self.config.landmark_id, dtype=idx.dtype, device=idx.device)
-        grid[:, offset : offset + T] = idx
-        grid = torch.cat([grid.view(B, n_chunks, S - 1), grid.new_full((B, n_chunks, 1), self.config.landmark_id)], 2)
-        n_full, rem = divmod(offset + T, S - 1)  # finished chunks (landmark included) and leftover tokens
-        return grid.view(B, n_chunks * S)[:, offset : n_full * S + rem], offset
-
     def check_input(self, idx, targets):
         cfg = self.config
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
@@ -635,7 +635,7 @@ class DRT(nn.Module):
         self.check_input(idx, targets)
         S, T = self.config.chunk_size, idx.size(1)
         state = state if state is not None else OneCall(self.config)  # the one `state is None` check
-        ids, offset = self.layout(idx, state.n)  # (B, L) positions of this segment
+        ids, offset = insert_landmarks(idx, self.config, state.n)  # (B, L) positions of this segment
         pos0 = state.pos  # absolute position of ids[:, 0]
         x = self.wte(ids)  # (B, L, C)
         for block, ring in zip(self.lower, state.rings):

@@ -1,6 +1,6 @@
 """
 Tests for DRT (Hu et al., ICML 2025, arXiv 2410.01651), in the order the paper builds the model:
-the layout (landmarks, chunks) -> positions (ALiBi) and sliding-window attention -> the chunk
+the landmarks and chunks -> positions (ALiBi) and sliding-window attention -> the chunk
 encoder -> retrieval (Eq. 1 scores, Gumbel top-k, Eq. 3 weights) -> GCA's reference (Eq. 2) ->
 the FlashGCA kernel (gca_kernel.py) against it -> the model end to end -> the streaming state
 (decoding, prefill, offload) -> training (train.py) -> long-context tasks and sampling (tasks.py,
@@ -45,7 +45,7 @@ import prepare_pg19  # noqa: E402
 import train  # noqa: E402
 from gca_kernel import flash_gca  # noqa: E402
 from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieve, softmax_off_by_one  # noqa: E402
-from model import ChunkMemory, topk_earlier, window_attention  # noqa: E402
+from model import ChunkMemory, insert_landmarks, topk_earlier, window_attention  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # helpers: tiny models, random text ids, the GPT-2 tokenizer (or a skip)
@@ -94,23 +94,23 @@ def _tokenizer_or_skip(monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# layout (§3.1): text ids in order, a landmark closing every chunk of S-1 of them
+# landmarks (§3.1): text ids in order, a landmark closing every chunk of S-1 of them
 
 
-def test_layout_landmarks():
-    """DRT.layout (§3.1): the landmark id at every stream position p with p % S == S-1, the text
+def test_insert_landmarks():
+    """insert_landmarks (§3.1): the landmark id at every stream position p with p % S == S-1, the text
     ids in order at every other; a chunk whose last text token arrives gets its landmark in the
     same call; a stream given in pieces is laid out as in one call, each piece at offset n0 % S."""
-    model = tiny_model()
-    cfg, S = model.config, model.config.chunk_size
+    cfg = tiny_config()
+    S = cfg.chunk_size
     idx = tokens(cfg, 2, 3 * (S - 1) + 2, seed=18)
-    ids, offset = model.layout(idx, 0)
+    ids, offset = insert_landmarks(idx, cfg)
     is_landmark = torch.arange(3 * S + 2) % S == S - 1
     assert offset == 0 and ids.shape == (2, 3 * S + 2)
     assert (ids[:, is_landmark] == cfg.landmark_id).all() and torch.equal(ids[:, ~is_landmark], idx)
     n0, parts = 0, []
     for a, b in [(0, 5), (5, 7), (7, 8), (8, 3 * (S - 1) + 2)]:  # (5, 7) ends on a chunk's last text token
-        part, offset = model.layout(idx[:, a:b], n0)
+        part, offset = insert_landmarks(idx[:, a:b], cfg, n0)
         assert offset == n0 % S
         parts.append(part)
         n0 += part.size(1)
@@ -1716,7 +1716,7 @@ def test_task_variants(monkeypatch):
     """The held-out variants of sample.py, built by make_example: keys=N needles of distinct names
     (the asked one's key the answer), a template's phrasing, keys of `digits` digits, the asked
     needle at a depth of the filler, or its key `past` tokens before the end with the others before
-    it; every prompt aligned (its last token opens a chunk, through DRT.layout)."""
+    it; every prompt aligned (its last token opens a chunk, through insert_landmarks)."""
     import random
 
     import tasks
@@ -1809,7 +1809,7 @@ def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
 
 def test_in_reach_counts_positions():
     """in_reach: the answer's last mention lies within `reach` positions of the prompt's last token,
-    positions as DRT.layout lays them out (a landmark after every S-1 tokens); prompt_kwargs'
+    positions as insert_landmarks lays them out (a landmark after every S-1 tokens); prompt_kwargs'
     'reach' puts a key just past it at every chunk phase."""
     import sample
     model = DRT(tiny_config())  # S=8
@@ -1822,7 +1822,7 @@ def test_in_reach_counts_positions():
         for i in range(n - 2):
             prompt = [1] * n
             prompt[0:2] = prompt[i : i + 2] = answer  # two mentions: the later one counts
-            ids, _ = model.layout(torch.tensor([prompt]), 0)
+            ids, _ = insert_landmarks(torch.tensor([prompt]), model.config)
             pos = (ids[0] != model.config.landmark_id).nonzero().squeeze(1)  # the text tokens' positions
             assert sample.in_reach(prompt, answer, T, reach) == (pos[-1] - pos[i + 1] < reach)
             if n - 1 - (i + 1) == past:  # the key `past` tokens before the end: just out of reach
