@@ -29,6 +29,7 @@ and token-by-token decoding: it processes a segment of a stream, whose state it 
 """
 
 import functools
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -297,29 +298,28 @@ class ChunkEncoder(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Retrieval (§3.1-3.2). Per group g, the state at chunk t's landmark, as it enters the group,
-# scores every strictly earlier chunk j: r_j = RMSNorm_g(h_t) . l_j / sqrt(d) (Eq. 1). The
-# top-k are picked (of Gumbel-noised scores in training, to explore) and weighted by Eq. 3.
+# Retrieval (§3.1-3.2). Per group g, the state h_t at chunk t's landmark, as it enters the
+# group, scores every strictly earlier chunk j: r_j = RMSNorm_g(h_t) . l_j / sqrt(d) (Eq. 1).
+# The top-k are picked (of Gumbel-noised scores in training, to explore) and weighted by Eq. 3.
 
 
 @torch.no_grad()
-def topk_earlier(q, blocks, chunk_ids, k, noise=False, uniform=False):
-    """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
-    blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
-    (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
-    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2);
-    uniform=True ranks by random numbers instead: k earlier chunks drawn uniformly.
-    Scores are fp32 whatever the autocast: in bf16 (8 bits of mantissa) near-ties among a
-    million chunks would be decided by rounding, and a stream decoded token by token would
-    pick other chunks than the same stream run in one forward."""
+def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
+    """For each query landmark (chunk t), the k best-scoring chunks j < t (Eq. 1). q (B, n, C);
+    pages: the landmarks l_j as consecutive (B, m, C) tensors; chunk_ids (n,) int64 -> (idx,
+    eligible) each (B, n, k). A running top-k page by page: at 1M chunks there is never an
+    n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2); uniform=True ranks
+    by random numbers instead: k earlier chunks drawn uniformly. Scores are fp32 whatever the
+    autocast: in bf16 near-ties among a million chunks would be decided by rounding, and a
+    stream decoded token by token would pick other chunks than the same stream in one forward."""
     B, n, C = q.shape
     q = upcast(q)
     best_s = q.new_full((B, n, k), float("-inf"))
     best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
     m0 = 0
-    for lm in blocks:  # (B, mb, C)
+    for lm in pages:  # (B, m, C)
         with torch.autocast(q.device.type, enabled=False):  # fp32 even under bf16 autocast: see above
-            s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, mb)
+            s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, m)
         if uniform:
             s = torch.rand_like(s)
         elif noise:
@@ -346,18 +346,13 @@ def softmax_off_by_one(r, off_by_one=True):
     return e / torch.where(denom > 0, denom, 1)
 
 
-def retrieve(q, memory, chunk_ids, cfg, training):
-    """Eq. 1 + Eq. 3 for one group. q (B, n, C): normalised states at n landmarks (chunks
-    chunk_ids); memory: the ChunkMemory whose landmarks l_j are scored. Picks the top-k
-    earlier chunks (of Gumbel-noised scores in training) and weights them from the CLEAN
-    scores, through which the retriever gets its gradient. cfg.retriever="random" picks at random
-    (weights still Eq. 3 of their scores), "none" gives every pick weight 0.
-    -> idx (B, n, K) int64, w (B, n, K)."""
-    noise = training and cfg.gumbel
-    idx, eligible = topk_earlier(q, memory.lm.views(), chunk_ids, cfg.topk, noise, cfg.retriever == "random")
-    r = (upcast(q).unsqueeze(2) * upcast(memory.landmarks_at(idx))).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
+def retrieval_weights(q, picked, eligible, cfg):
+    """The weights of the picks: Eq. 3 of their CLEAN Eq. 1 scores (no Gumbel noise), through which
+    the retriever gets its gradient. q (B, n, C); picked: their landmarks (B, n, K, C); eligible
+    (B, n, K) -> w (B, n, K). cfg.retriever="none" gives every pick weight 0 (the window-only floor)."""
+    r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
-    return idx, w * (cfg.retriever != "none")
+    return w * (cfg.retriever != "none")
 
 
 def retrieval_stats(records, K):
@@ -508,7 +503,7 @@ class UpperBlock(Block):
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.S, self.n_head = cfg.chunk_size, cfg.n_head
 
-    def forward(self, x, pos0, ring, offset, mem):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
+    def forward(self, x, mem, pos0=0, ring=None, offset=0):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
         h1 = x + self.attn(self.ln_1(x), pos0, ring)
         if mem is None:  # nothing retrievable yet (the first two chunks of a stream)
             return h1 + self.mlp(self.ln_2(h1))
@@ -606,9 +601,9 @@ class DRT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # tied embedding counted once
 
     def new_state(self, offload=False, start_pos=0):
-        """A fresh stream for incremental decoding / segmented prefill (its batch size is the
-        first forward's). offload=True keeps the chunk keys/values in host memory (§3.2)."""
-        return DecodeState(self.config, self.wte.weight.device, offload, start_pos)
+        """A fresh stream for decoding and segmented prefill (its batch size is the first
+        forward's). offload=True keeps the chunk keys/values in host memory (§3.2)."""
+        return StreamState(self.config, self.wte.weight.device, offload, start_pos)
 
     def check_input(self, idx, targets):
         cfg = self.config
@@ -626,76 +621,56 @@ class DRT(nn.Module):
                 raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
 
     def forward(self, idx, targets=None, state=None, return_logits=True):
-        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over
-        the text positions and the mean cross-entropy. Without: logits of the last position
-        (B, 1, vocab), loss None. state: a DecodeState to continue (and update), or None for
-        a stream that starts at idx[:, 0] and ends with the call (training). return_logits=False
-        (training): logits None, and the loss computed at the targeted positions only, never
-        holding (B, T, vocab)."""
+        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over the
+        text positions and the mean cross-entropy. Without: logits of the last position (B, 1,
+        vocab), loss None. return_logits=False (training): logits None, and the loss without ever
+        holding (B, T, vocab). state=None: a sequence that starts at idx[:, 0] and ends with the
+        call (training), below; else a StreamState to continue (the last section)."""
         self.check_input(idx, targets)
-        S, T = self.config.chunk_size, idx.size(1)
-        state = state if state is not None else OneCall(self.config)  # the one `state is None` check
-        ids, offset = insert_landmarks(idx, self.config, state.n)  # (B, L) positions of this segment
-        pos0 = state.pos  # absolute position of ids[:, 0]
+        if state is not None:
+            return self.head(*forward_segment(self, idx, state), idx.size(1), targets, return_logits)
+        cfg, S = self.config, self.config.chunk_size
+        ids, _ = insert_landmarks(idx, cfg)  # (B, L): a landmark closes every S-1 text tokens
         x = self.wte(ids)  # (B, L, C)
-        for block, ring in zip(self.lower, state.rings):
-            x = block(x, pos0, ring)
-        if self.encoder is not None:
-            n_done = self.encode_finished_chunks(x, state)
-            x = self.upper_groups(x, offset, pos0, n_done, state)
-        state.advance(ids.size(1))
-        # logits only at text positions: landmarks predict nothing
+        for block in self.lower:
+            x = block(x)
+        B, L, C = x.shape
+        n, n_chunks = L // S, cdiv(L, S)  # chunks finished (their landmark is in), chunks touched
+        if n and self.encoder is not None:
+            kv, l = self.encoder(x[:, : n * S].view(B, n, S, C))  # (B, n, S, 2, H, D) memory, (B, n, C) landmarks
+        chunk_ids = torch.arange(n, device=x.device)  # (n,) the chunk of each landmark
+        b = torch.arange(B, device=x.device)[:, None, None]  # (B, 1, 1) batch index for gathering picks
+        upper = iter(self.upper)
+        for g, size in enumerate(cfg.groups):
+            mem = None
+            if n:
+                q = self.ret_norm[g](x[:, S - 1 : n * S : S])  # (B, n, C) the group's input at the landmarks
+                picks, eligible = topk_earlier(q, [l], chunk_ids, cfg.topk, self.training and cfg.gumbel,
+                                               cfg.retriever == "random")  # (B, n, K) top-k of Eq. 1 (+ Gumbel)
+                w = retrieval_weights(q, l[b, picks], eligible, cfg)  # (B, n, K) Eq. 3
+                self.keep_record(chunk_ids, picks, w)
+                picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
+                if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
+                    mem = (*kv.unbind(3), picks, w)
+            for block in itertools.islice(upper, size):
+                x = block(x, mem)  # GCA, Eq. 2
+        return self.head(x, 0, idx.size(1), targets, return_logits)
+
+    def keep_record(self, chunk_ids, picks, w):
+        if self.record is not None:
+            self.record.append((chunk_ids, picks.detach(), w.detach()))
+
+    def head(self, x, offset, T, targets, return_logits):
+        """The logits at the T text positions of x (B, L, C) (landmarks predict nothing), the loss."""
+        S = self.config.chunk_size
         x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C)
         if targets is None:
             return self.lm_head(x[:, -1:]), None
-        if not return_logits:  # training: the loss without ever holding all (B, T, vocab) logits
+        if not return_logits:
             return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)
         loss = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
-
-    def encode_finished_chunks(self, x, state):
-        """The chunk encoder (§3.1) over every chunk whose landmark is in this segment, x (B, L, C)
-        the last lower layer's states; a chunk's first slots may come from earlier segments, which
-        the state kept. The outputs go into the state's memory. -> the number of such chunks."""
-        B, L, C = x.shape
-        S = self.config.chunk_size
-        pending = state.unfinished(x)  # (B, offset + L, C): the unfinished chunk's earlier slots, then x
-        n_done = pending.size(1) // S  # chunks finished here = landmarks in this segment
-        kv_l = self.encoder(pending[:, : n_done * S].view(B, n_done, S, C)) if n_done else None
-        state.remember(kv_l, pending[:, n_done * S :])
-        return n_done
-
-    def upper_groups(self, x, offset, pos0, n_done, state):
-        """The upper layers, group by group. A group retrieves at this segment's n_done landmarks
-        from its own input (Eq. 1), and in its layers chunk c reads the picks made at the landmark
-        of chunk c-1 (GCA, Eq. 2). x (B, L, C) -> (B, L, C)."""
-        cfg, S, memory = self.config, self.config.chunk_size, state.memory
-        c0 = state.n // S  # stream index of the segment's first chunk
-        n_chunks = cdiv(offset + x.size(1), S)  # chunks this segment touches: c0 .. c0+n_chunks-1
-        landmark_chunks = c0 + torch.arange(n_done, device=x.device)  # (n_done,) chunks whose landmark is here
-        rings, layer = state.rings[cfg.n_lower :], 0
-        for g, size in enumerate(cfg.groups):
-            made = None
-            if n_done:
-                at_landmarks = to_chunks(x, offset, S)[:, :n_done, S - 1]  # (B, n_done, C) this group's input there
-                made = retrieve(self.ret_norm[g](at_landmarks), memory, landmark_chunks, cfg, self.training)
-                if self.record is not None:
-                    self.record.append((landmark_chunks, *(t.detach() for t in made)))
-            picks = read_one_chunk_later(state.picks[g], made, n_chunks)  # (idx, w) (B, n_chunks, K)
-            mem = None
-            if memory.M and c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing to read
-                idx, w = picks
-                mem = (*state.fetch(g, idx), w)
-            for block, ring in zip(self.upper[layer : layer + size], rings[layer : layer + size]):
-                x = block(x, pos0, ring, offset, mem)
-            layer += size
-            if made is not None:
-                state.keep_picks(g, made)
-        return x
-
-    # -------------------------------------------------------------------------
-    # training and sampling helpers
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices only (not on norm gains)."""
@@ -742,11 +717,10 @@ class DRT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Streaming state (§3.2): what a stream needs to continue. Memory O(W) per layer for self-
-# attention (a ring buffer, not a cache that grows with the context), plus the chunk memory.
-# DRT.forward takes its steps in order: rings, unfinished -> remember, picks / fetch ->
-# keep_picks, advance. DecodeState keeps a stream across calls; OneCall is a stream that ends
-# with its call (training), with the same methods.
+# Streaming (§3.2): a stream run segment by segment (long prefills, then decoding token by
+# token) computes what one forward over it would. Self-attention keeps the last W keys/values
+# of each layer (a ring, O(W)); the encoded chunks go into a store that grows by one chunk per
+# S positions (keys/values on the host with offload=True); each group's last picks carry over.
 
 
 class KVRing:
@@ -769,101 +743,81 @@ class KVRing:
         self.k[:, :, slots], self.v[:, :, slots], self.pos[slots] = k[:, :, -n:].detach(), v[:, :, -n:].detach(), pos[-n:]
 
 
-class Blocks:
-    """A (B, n, ...) tensor that grows along dim 1 without ever copying what it holds: a list of
-    blocks whose sizes double from `first` rows up to `cap`, on `device` (pinned host memory for
-    device='cpu' when CUDA is there). Appends fill the last block; reads find a row's block."""
+class PagedTensor:
+    """A (B, n, ...) tensor that grows along dim 1 without ever copying what it holds: pages whose
+    sizes double from `first` rows up to `cap`, on `device` (pinned host memory for device='cpu'
+    when CUDA is there). Appends fill the last page; reads find a row's page."""
 
     def __init__(self, first, cap, device):
         self.first, self.cap, self.device = first, cap, torch.device(device)
         self.pin = self.device.type == "cpu" and torch.cuda.is_available()
-        self.blocks, self.starts, self.n = [], [], 0  # starts[i]: the first row of blocks[i]
-
-    @classmethod
-    def of(cls, x):
-        """One block that is x itself (no copy: a training sequence's memory keeps its autograd graph)."""
-        blocks = cls(x.size(1), x.size(1), x.device)
-        blocks.blocks, blocks.starts, blocks.n = [x], [0], x.size(1)
-        return blocks
+        self.pages, self.starts, self.n = [], [], 0  # starts[i]: the first row of pages[i]
 
     def append(self, x):  # x (B, m, ...); device -> pinned host copies run asynchronously
         j = 0
         while j < x.size(1):
-            if not self.blocks or self.n == self.starts[-1] + self.blocks[-1].size(1):  # the last block is full
-                size = min(self.first * 2 ** len(self.blocks), self.cap)
-                self.blocks.append(torch.empty(x.size(0), size, *x.shape[2:], dtype=x.dtype, device=self.device,
-                                               pin_memory=self.pin))
+            if not self.pages or self.n == self.starts[-1] + self.pages[-1].size(1):  # the last page is full
+                size = min(self.first * 2 ** len(self.pages), self.cap)
+                self.pages.append(torch.empty(x.size(0), size, *x.shape[2:], dtype=x.dtype, device=self.device,
+                                              pin_memory=self.pin))
                 self.starts.append(self.n)
             off = self.n - self.starts[-1]
-            m = min(x.size(1) - j, self.blocks[-1].size(1) - off)
-            self.blocks[-1][:, off : off + m].copy_(x[:, j : j + m], non_blocking=True)
+            m = min(x.size(1) - j, self.pages[-1].size(1) - off)
+            self.pages[-1][:, off : off + m].copy_(x[:, j : j + m], non_blocking=True)
             j, self.n = j + m, self.n + m
 
     def views(self):
-        """The stored rows, block by block: [(B, rows, ...)]."""
-        return [block[:, : self.n - start] for block, start in zip(self.blocks, self.starts)]
+        """The stored rows, page by page: [(B, rows, ...)]."""
+        return [page[:, : self.n - start] for page, start in zip(self.pages, self.starts)]
 
     def take(self, rows):
-        """rows (U,) int64 (on the blocks' device) -> (B, U, ...): one copy per block touched."""
-        blk = torch.searchsorted(torch.tensor(self.starts, device=rows.device), rows, right=True) - 1  # (U,)
-        out = self.blocks[0].new_empty(self.blocks[0].size(0), len(rows), *self.blocks[0].shape[2:],
-                                       pin_memory=self.pin)
-        for b in blk.unique().tolist():
-            at = (blk == b).nonzero().squeeze(1)
-            out[:, at] = self.blocks[b].index_select(1, rows[at] - self.starts[b])
+        """rows (U,) int64 (on the pages' device) -> (B, U, ...): one copy per page touched."""
+        at_page = torch.searchsorted(torch.tensor(self.starts, device=rows.device), rows, right=True) - 1  # (U,)
+        first = self.pages[0]
+        out = first.new_empty(first.size(0), len(rows), *first.shape[2:], pin_memory=self.pin)
+        for i in at_page.unique().tolist():
+            at = (at_page == i).nonzero().squeeze(1)
+            out[:, at] = self.pages[i].index_select(1, rows[at] - self.starts[i])
         return out
 
     def nbytes(self):
-        """Bytes of the stored rows (the last block's spare rows not counted)."""
-        return self.n * self.blocks[0][:, :1].numel() * self.blocks[0].element_size() if self.blocks else 0
+        """Bytes of the stored rows (the last page's spare rows not counted)."""
+        return self.n * self.pages[0][:, :1].numel() * self.pages[0].element_size() if self.pages else 0
 
 
-class ChunkMemory:
-    """The encoded chunks of a stream: per-token keys and values kv (B, M, S, 2, H, D) and
-    landmarks (B, M, C), in Blocks, so a million chunks are never re-copied as they come.
-    Landmarks stay on the compute device (retrieval scores them block by block). With
-    offload=True the keys/values live in host memory, 2*S*C*bytes per chunk, and only the
-    picked chunks travel to the device: GPU memory grows by the landmarks alone (§3.2).
-    append is the one way in; ChunkMemory.of views a training sequence's encoder outputs."""
+class ChunkStore:
+    """The encoded chunks of a stream: keys/values kv (B, M, S, 2, H, D) and landmarks (B, M, C),
+    paged, so a million chunks are never re-copied as they come. Landmarks stay on the compute
+    device (retrieval scores them page by page). With offload=True the keys/values live in host
+    memory, 2*S*C elements per chunk, and only the picked chunks travel to the device: GPU
+    memory grows by the landmarks alone (§3.2)."""
 
-    LM_BLOCKS = (256, 65536)  # landmark blocks: rows of the first block, rows of the largest
-    KV_BLOCKS = (64, 16384)  # key/value blocks: the same, so at 1M chunks a fetch touches <= ~70 blocks
+    LM_PAGES = (256, 65536)  # landmark pages: rows of the first page, rows of the largest
+    KV_PAGES = (64, 16384)  # key/value pages: the same, so at 1M chunks a gather touches <= ~70 pages
 
     def __init__(self, device, offload=False):
         self.offload = offload
-        self.kv = Blocks(*self.KV_BLOCKS, "cpu" if offload else device)
-        self.lm = Blocks(*self.LM_BLOCKS, device)
-
-    @classmethod
-    def of(cls, kv, l):
-        """The memory of one training sequence: the encoder's outputs themselves, no copies."""
-        memory = cls(l.device)
-        memory.kv, memory.lm = Blocks.of(kv), Blocks.of(l)
-        return memory
+        self.kv = PagedTensor(*self.KV_PAGES, "cpu" if offload else device)
+        self.lm = PagedTensor(*self.LM_PAGES, device)
 
     @property
     def M(self):  # chunks held
         return self.lm.n
 
     def append(self, kv, l):  # kv (B, n, S, 2, H, D); l (B, n, C)
-        self.kv.append(kv.detach())  # a stream's memory holds no autograd graph
+        self.kv.append(kv.detach())  # a stream's store holds no autograd graph
         self.lm.append(l.detach())
 
     def landmarks_at(self, idx):
         """l_j of the picks idx (B, n, K) -> (B, n, K, C)."""
         b = torch.arange(idx.size(0), device=idx.device)[:, None, None]  # (B, 1, 1)
-        if len(self.lm.blocks) == 1:  # training: plain indexing, differentiable, no sync
-            return self.lm.blocks[0][b, idx]
         uniq, inv = torch.unique(idx, return_inverse=True)
         return self.lm.take(uniq)[b, inv]
 
-    def fetch(self, idx):
-        """Keys/values to run GCA with picks idx (B, n, K): -> k_mem, v_mem (B, U, S, H, D) and
-        idx' (B, n, K) into them, on idx's device. One block on the device (training, short
-        streams): the block itself and idx. Else just the picked chunks, deduplicated; from host
+    def gather(self, idx):
+        """The picked chunks' keys/values, for GCA with picks idx (B, n, K): -> k_mem, v_mem (B, U,
+        S, H, D) of the U distinct picks, and idx' (B, n, K) into them, on idx's device. From host
         memory they are gathered into pinned memory and copied in without blocking the host."""
-        if len(self.kv.blocks) == 1 and not self.offload:
-            return *self.kv.blocks[0][:, : self.M].unbind(3), idx
         uniq, inv = torch.unique(idx.to(self.kv.device), return_inverse=True)  # (U,); .cpu() waits for append's copies
         kv = self.kv.take(uniq).to(idx.device, non_blocking=True)  # (B, U, S, 2, H, D)
         return *kv.unbind(3), inv.to(idx.device)
@@ -873,67 +827,62 @@ class ChunkMemory:
         return self.kv.nbytes()
 
 
-class DecodeState:
-    """A stream in progress (§3.2 of the paper, inference). Create with DRT.new_state; pass to
-    every forward of the stream. Prompts in one batch share their length. An inference object:
-    it stores detached tensors, so no autograd graph outlives a call and memory stays
-    O(W + chunks) however long the stream runs with gradients enabled."""
+class StreamState:
+    """A stream in progress: create with DRT.new_state, pass to every forward of the stream.
+    Prompts in one batch share their length. It holds detached tensors only, so no autograd
+    graph outlives a call and memory stays O(W + chunks) however long the stream runs."""
 
     def __init__(self, cfg, device, offload=False, start_pos=0):
         self.n = 0  # positions processed so far, landmarks included; chunk c holds n in [cS, cS+S)
         self.start_pos = start_pos  # absolute position of the first slot: ALiBi uses only differences
         self.rings = [KVRing(cfg.window) for _ in range(cfg.n_lower + cfg.n_upper)]
         self.chunk_buf = None  # (B, n % S, C) last-lower-layer states of the unfinished chunk
-        self.memory = ChunkMemory(device, offload)
+        self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
-        self.fetched = [None] * len(cfg.groups)  # offload: per group, picks[g]'s chunks already on the device
+        self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
 
     @property
     def pos(self):  # absolute position of the next slot
         return self.n + self.start_pos
 
-    def unfinished(self, x):  # x (B, L, C) -> (B, n % S + L, C): the unfinished chunk's earlier slots first
-        return x if self.chunk_buf is None else torch.cat([self.chunk_buf, x], 1)
 
-    def remember(self, kv_l, rest):  # kv_l: the encoder's (kv, l) of the chunks finished, or None
-        # a copy: a view would keep the whole segment (and its graph) alive until the chunk completes
-        self.chunk_buf = rest.detach().clone()
-        if kv_l is not None:
-            self.memory.append(*kv_l)
-
-    def fetch(self, g, idx):  # keys/values of group g's picks idx (B, n, K): see ChunkMemory.fetch
-        if idx.size(1) == 1 and self.fetched[g] is not None:  # inside one chunk: its picks were prefetched
-            return self.fetched[g]
-        return self.memory.fetch(idx)
-
-    def keep_picks(self, g, made):  # made (idx, w) (B, n, K); the last landmark's picks serve the next chunk
-        idx, w = made
-        self.picks[g] = (idx[:, -1:], w[:, -1:].detach())
-        if self.memory.offload:  # prefetch: the copy runs while this call finishes; the next S tokens reuse it
-            self.fetched[g] = self.memory.fetch(self.picks[g][0])
-
-    def advance(self, L):
-        self.n += L
-
-
-class OneCall(DecodeState):
-    """The state of a stream that starts at the call's first token and ends with the call
-    (state=None: training, one-shot evaluation). Nothing outlives the call, so it has no rings
-    (attention over the whole segment; FlexAttention on a GPU), carries no picks, and its
-    memory is the encoder's outputs themselves, which keep their autograd graph: the loss
-    trains the encoder through GCA (Eq. 2) and the landmarks through the weights (Eq. 1, 3)."""
-
-    def __init__(self, cfg):
-        self.n = self.start_pos = 0
-        self.rings = [None] * (cfg.n_lower + cfg.n_upper)
-        self.chunk_buf = self.memory = None
-        self.picks, self.fetched = [None] * len(cfg.groups), [None] * len(cfg.groups)
-
-    def remember(self, kv_l, rest):
-        self.memory = ChunkMemory.of(*kv_l) if kv_l is not None else ChunkMemory(rest.device)
-
-    def keep_picks(self, g, made):  # no next call to serve
-        pass
+def forward_segment(model, idx, state):
+    """DRT.forward's steps for the next segment idx (B, T) of a stream, continuing state and
+    updating it -> the last layer's states (B, L, C) and the segment's offset in its first chunk."""
+    cfg, S, store = model.config, model.config.chunk_size, state.store
+    ids, offset = insert_landmarks(idx, cfg, state.n)  # (B, L)
+    x = model.wte(ids)  # (B, L, C)
+    for block, ring in zip(model.lower, state.rings):
+        x = block(x, state.pos, ring)
+    B, L, C = x.shape
+    n, n_chunks = (offset + L) // S, cdiv(offset + L, S)  # chunks finished here (landmark in), chunks touched
+    if model.encoder is not None:  # a finished chunk's first slots may come from earlier segments
+        pending = x if state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, offset + L, C)
+        if n:
+            store.append(*model.encoder(pending[:, : n * S].view(B, n, S, C)))
+        state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
+    c0 = state.n // S  # the segment touches chunks c0 .. c0 + n_chunks - 1
+    chunk_ids = c0 + torch.arange(n, device=x.device)  # (n,) the chunk of each landmark here
+    upper, rings = iter(model.upper), iter(state.rings[cfg.n_lower :])
+    for g, size in enumerate(cfg.groups):
+        made = None
+        if n:
+            q = model.ret_norm[g](to_chunks(x, offset, S)[:, :n, S - 1])  # (B, n, C)
+            picks, eligible = topk_earlier(q, store.lm.views(), chunk_ids, cfg.topk, model.training and cfg.gumbel,
+                                           cfg.retriever == "random")
+            made = picks, retrieval_weights(q, store.landmarks_at(picks), eligible, cfg)
+            model.keep_record(chunk_ids, *made)
+        mem = None
+        if c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing earlier to read
+            picks, w = read_one_chunk_later(state.picks[g], made, n_chunks)  # (B, n_chunks, K)
+            mem = (*(state.prefetched[g] if n_chunks == 1 else store.gather(picks)), w)
+        for block in itertools.islice(upper, size):
+            x = block(x, mem, state.pos, next(rings), offset)
+        if made is not None:  # the last landmark's picks serve the next segment's first chunk
+            state.picks[g] = (made[0][:, -1:], made[1][:, -1:].detach())
+            state.prefetched[g] = store.gather(state.picks[g][0])  # from the host, the copy overlaps the call's rest
+    state.n += L
+    return x, offset
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ import model as drt  # noqa: E402
 import prepare_pg19  # noqa: E402
 import train  # noqa: E402
 from gca_kernel import flash_gca  # noqa: E402
-from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieve, softmax_off_by_one  # noqa: E402
-from model import ChunkMemory, insert_landmarks, topk_earlier, window_attention  # noqa: E402
+from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieval_weights, softmax_off_by_one  # noqa: E402
+from model import ChunkStore, insert_landmarks, topk_earlier, window_attention  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # helpers: tiny models, random text ids, the GPT-2 tokenizer (or a skip)
@@ -332,11 +332,11 @@ def test_retrieval_weights_use_clean_scores():
     B, M, C = 2, 30, cfg.n_embd
     landmarks, q = torch.randn(B, M, C), torch.randn(B, M, C)
     chunk_ids = torch.arange(M)
-    memory = ChunkMemory.of(torch.zeros(B, M, 1, 2, 1, 1), landmarks)  # only the landmarks matter here
-    idx, w = retrieve(q, memory, chunk_ids, cfg, training=True)
-    clean_idx, _ = retrieve(q, memory, chunk_ids, cfg, training=False)
+    idx, eligible = topk_earlier(q, [landmarks], chunk_ids, cfg.topk, noise=True)
+    clean_idx, _ = topk_earlier(q, [landmarks], chunk_ids, cfg.topk)
     assert not torch.equal(idx, clean_idx), "Gumbel noise changed no pick"
     b = torch.arange(B)[:, None, None]
+    w = retrieval_weights(q, landmarks[b, idx], eligible, cfg)
     r = (q[:, :, None] * landmarks[b, idx]).sum(-1) / math.sqrt(C)
     eligible = (torch.arange(cfg.topk)[None, None, :] < chunk_ids[None, :, None]).expand(B, -1, -1)  # t earlier chunks
     expect = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")))
@@ -826,16 +826,16 @@ def test_memory_blocks(monkeypatch, offload):
     idx = tokens(model.config, 2, 120, seed=17)
     with torch.no_grad():
         full = all_logits(model, idx)
-        monkeypatch.setattr(ChunkMemory, "LM_BLOCKS", (1, 3))
-        monkeypatch.setattr(ChunkMemory, "KV_BLOCKS", (2, 4))
+        monkeypatch.setattr(ChunkStore, "LM_PAGES", (1, 3))
+        monkeypatch.setattr(ChunkStore, "KV_PAGES", (2, 4))
         state = model.new_state(offload=offload)
         parts = [all_logits(model, idx[:, a:b], state) for a, b in [(0, 50), (50, 51), (51, 120)]]
-    assert len(state.memory.lm.blocks) > 4 and len(state.memory.kv.blocks) > 4
+    assert len(state.store.lm.pages) > 4 and len(state.store.kv.pages) > 4
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
 
 
 def test_state_holds_no_graph():
-    """A DecodeState used with gradients enabled keeps no autograd graph (memory stays O(W +
+    """A StreamState used with gradients enabled keeps no autograd graph (memory stays O(W +
     chunks), not O(stream)), and the unfinished chunk's buffer is a copy, not a view that keeps
     the whole segment alive."""
     model = tiny_model(groups=(1, 1), dtype=torch.float32)
@@ -843,9 +843,9 @@ def test_state_holds_no_graph():
     for seg in (tokens(model.config, 2, 45, seed=1), tokens(model.config, 2, 30, seed=2)):
         logits, _ = model(seg, state=state)
         assert logits.grad_fn is not None  # the call itself is differentiable
-    m = state.memory
-    held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.lm.blocks + m.kv.blocks + [state.chunk_buf]
-    held += [t for p in state.picks for t in p]
+    m = state.store
+    held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.lm.pages + m.kv.pages + [state.chunk_buf]
+    held += [t for p in state.picks + state.prefetched for t in p]
     assert all(t is not None and t.grad_fn is None and not t.requires_grad for t in held)
     buf = state.chunk_buf
     assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
@@ -853,16 +853,13 @@ def test_state_holds_no_graph():
 
 def stream_picks(model, idx, state=None):
     """The chunks picked at every landmark of idx (1, T), per group: [(n, K) sorted] — from one
-    forward (state=None) or token by token through a DecodeState."""
+    forward (state=None) or token by token through a StreamState."""
     S, G = model.config.chunk_size, len(model.config.groups)
     if state is None:
-        calls, orig = [], drt.retrieve
-        drt.retrieve = lambda *a: calls.append(orig(*a)) or calls[-1]
-        try:
-            model(idx)
-        finally:
-            drt.retrieve = orig
-        return [calls[g][0][0].sort(-1).values for g in range(G)]
+        model.record = []  # one (chunk ids, idx, w) per group
+        model(idx)
+        records, model.record = model.record, None
+        return [records[g][1][0].sort(-1).values for g in range(G)]
     picks = [[] for _ in range(G)]
     for t in range(idx.size(1)):
         n = state.n
@@ -918,7 +915,7 @@ def test_cuda_offload_equals_device(dtype):
             assert rel_err(parts, full[:, :690]) < tol, offload
             steps = torch.cat([m(idx[:, t : t + 1], state=state)[0] for t in range(690, 720)], 1).float()
             assert rel_err(steps, full[:, 690:]) < tol, offload
-        assert state.memory.kv.blocks[0].is_pinned() and state.memory.kv.device.type == "cpu"
+        assert state.store.kv.pages[0].is_pinned() and state.store.kv.device.type == "cpu"
 
 
 def test_generate_odd_prompt():
