@@ -818,10 +818,10 @@ def test_segmented_prefill_equals_one_shot(offload):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_memory_blocks(monkeypatch, offload):
-    """Landmarks and keys/values stored in many small growing blocks (as at 16M tokens, with
-    blocks of thousands of chunks) give the same decoding as one block: block boundaries are
-    invisible to retrieval and to the fetch of the picked chunks."""
+def test_store_pages(monkeypatch, offload):
+    """Landmarks and keys/values stored in many small growing pages (as at 16M tokens, with
+    pages of thousands of chunks) give the same decoding as one page: page boundaries are
+    invisible to retrieval and to the gather of the picked chunks."""
     model = tiny_model(groups=(1, 1)).eval()
     idx = tokens(model.config, 2, 120, seed=17)
     with torch.no_grad():
