@@ -17,7 +17,7 @@ fwd = 4*B*C*K*H*S*S*D (per pick, q k^T and p v), fwd+bwd = 3.5 * fwd; the kernel
 (the backward recomputes q k^T and dO v^T in both of its kernels: 7 matmuls against 5).
 --train times forward+backward+AdamW of the paper's 146M models at 16,380-token sequences (bf16
 autocast): ms/step, tok/s, MFU, peak memory. --long feeds a random-init DRT a stream of random
-tokens in prefill segments, through DecodeState: seconds, tokens/s, peak GPU memory and the chunk
+tokens in prefill segments, through StreamState: seconds, tokens/s, peak GPU memory and the chunk
 memory's bytes (host with --offload). Memory does not depend on the weights: a random model
 measures it. Without a GPU, --train and --long run at toy sizes with --device=cpu (a smoke test).
 """
@@ -283,7 +283,7 @@ def bench_long(args, dev):
                 model(x, state=state)
         sync(dev)
         dt = time.time() - t0
-        kv = state.memory.nbytes()
+        kv = state.store.nbytes()
         del state  # before the next length allocates its own memory
         print(f"{fmt_len(L):>7s} | {dt:8.1f} {L / dt:10,.0f} | {peak_gpu(dev):8.2f}G "
               f"{kv / 2**30:9.2f}G {kv / L:8.0f} {peak_mem_gib():9.1f}G", flush=True)

@@ -1,22 +1,20 @@
 """
-DRT: the Differentiable Retrieval-based Transformer with Grouped Cross-Attention (GCA),
-in one file of PyTorch. Hu, Teng, Zhao, Wu, Tu: "Efficient Length-Generalizable Attention
-via Causal Retrieval for Long-Context Language Modeling", ICML 2025 (arXiv 2410.01651).
+DRT: the Differentiable Retrieval-based Transformer with Grouped Cross-Attention (GCA), in one
+file of PyTorch. Hu, Teng, Zhao, Wu, Tu: "Efficient Length-Generalizable Attention via Causal
+Retrieval for Long-Context Language Modeling", ICML 2025 (arXiv 2410.01651).
 
-The token stream is cut into chunks of S positions: S-1 text tokens and a landmark token
-that summarises them. Lower layers are a sliding-window transformer. A small bidirectional
-encoder turns each finished chunk into memory: per-token keys/values and a landmark vector
-l_k. In the upper layers the landmark of chunk t scores every earlier chunk, keeps the top-k,
-and every token of chunk t+1 attends to each picked chunk separately; the k outputs are
-mixed with weights from the scores (GCA). The weights carry the next-token loss back to the
+The token stream is cut into chunks of S positions: S-1 text tokens and a landmark token that
+summarises them. Lower layers are a sliding-window transformer. A small bidirectional encoder
+turns each finished chunk into memory: per-token keys/values and a landmark vector l. In the
+upper layers the landmark of chunk t scores every earlier chunk (Eq. 1), keeps the top-k, and
+every token of chunk t+1 attends to each picked chunk separately; the k outputs are mixed with
+weights from the scores (GCA, Eq. 2 and 3). The weights carry the next-token loss back to the
 retriever, which so learns to fetch what helps predict the next chunk ("causal retrieval").
 Attention per token is constant (window + k*S), so the model runs at any length.
 
-Reading order, top to bottom, as in §3 of the paper: config -> positions (ALiBi) ->
-sliding-window attention -> chunks, landmarks and the chunk encoder -> retrieval (Eq. 1,
-Gumbel top-k, Eq. 3) -> GCA (Eq. 2) -> blocks -> the model -> the streaming state (O(W)
-caches, chunk memory, CPU offload). One forward serves training, long prefills in segments
-and token-by-token decoding: it processes a segment of a stream, whose state it continues.
+Top to bottom in the order of §3: config -> ALiBi -> sliding-window attention -> chunks,
+landmarks and the chunk encoder -> retrieval -> GCA -> blocks -> the model, whose forward is
+the training path; last, streaming: O(W) caches, the chunk store, CPU offload.
 
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
@@ -29,6 +27,7 @@ and token-by-token decoding: it processes a segment of a stream, whose state it 
 """
 
 import functools
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch < 2.5: blocked SDPA everywhere
+except ImportError:  # torch < 2.5: tiled SDPA everywhere
     flex_attention = None
 
 try:  # FlashGCA, the fused Triton kernels of GCA; where Triton is missing, the PyTorch reference serves
@@ -49,7 +48,6 @@ except ImportError:
 
 
 def cdiv(a, b):
-    """ceil(a / b) for integers."""
     return -(-a // b)
 
 
@@ -84,23 +82,19 @@ class DRTConfig:
         if self.landmark_id is None:
             self.landmark_id = min(50257, self.vocab_size - 1)
         S, W = self.chunk_size, self.window
-        bad = []
-        if self.n_embd % self.n_head:
-            bad.append(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
-        if S < 2:
-            bad.append(f"chunk_size={S}: a chunk needs at least one text token and the landmark")
-        elif W < S or W % S:
-            bad.append(f"window={W} must be a positive multiple of chunk_size={S}")
-        if not 0 <= self.landmark_id < self.vocab_size:
-            bad.append(f"landmark_id={self.landmark_id} is outside the vocabulary [0, {self.vocab_size})")
-        if any(g < 1 for g in self.groups):
-            bad.append(f"groups={self.groups}: every group needs at least one layer")
-        if self.topk < 1:
-            bad.append(f"topk={self.topk} must be >= 1")
-        if self.retriever not in ("learned", "random", "none"):
-            bad.append(f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'")
-        if self.n_lower < 0 or self.n_enc < 0:
-            bad.append("n_lower and n_enc must be >= 0")
+        checks = [
+            (self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"),
+            (S >= 2, f"chunk_size={S}: a chunk needs at least one text token and the landmark"),
+            (S < 2 or (W >= S and W % S == 0), f"window={W} must be a positive multiple of chunk_size={S}"),
+            (0 <= self.landmark_id < self.vocab_size,
+             f"landmark_id={self.landmark_id} is outside the vocabulary [0, {self.vocab_size})"),
+            (all(g >= 1 for g in self.groups), f"groups={self.groups}: every group needs at least one layer"),
+            (self.topk >= 1, f"topk={self.topk} must be >= 1"),
+            (self.retriever in ("learned", "random", "none"),
+             f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'"),
+            (self.n_lower >= 0 and self.n_enc >= 0, "n_lower and n_enc must be >= 0"),
+        ]
+        bad = [message for ok, message in checks if not ok]
         if bad:
             raise ValueError("bad DRTConfig: " + "; ".join(bad))
 
@@ -108,27 +102,22 @@ class DRTConfig:
     def n_upper(self):
         return sum(self.groups)
 
-    @property
-    def hidden(self):
-        return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
-
 
 def window_reach(cfg):
-    """Positions the stacked self-attention windows see back from a token, (n_lower + n_upper) x W:
-    what lies further back reaches it only through retrieval. cfg: a DRTConfig or anything with
-    its n_lower, groups and window (train.py's config)."""
+    """Positions the stacked windows see back from a token, (n_lower + n_upper) x W: what lies
+    further back reaches it only through retrieval. cfg: anything with n_lower, groups, window."""
     return (cfg.n_lower + sum(cfg.groups)) * cfg.window
 
 
 # -----------------------------------------------------------------------------
-# Positions: ALiBi. Self-attention only ever sees distances inside the window, and ALiBi
-# uses exactly those: bias = -slope * (i - j), from int64 positions. It stays exact at any
+# Positions: ALiBi. Self-attention only ever sees distances inside the window, and ALiBi uses
+# exactly those: bias = -slope * (i - j), from int64 positions, so it stays exact at any
 # absolute position (fp32 RoPE angles pos*freq lose whole radians near 1.6e7).
 
 
 def alibi_slopes(n_head):
-    """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for a head count that
-    is not a power of two, the power-of-two slopes plus every other slope of the next one."""
+    """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for a head count that is
+    not a power of two, the power-of-two slopes plus every other slope of the next one."""
     def geometric(n):
         return [2 ** (-8 * (i + 1) / n) for i in range(n)]
     p = 2 ** int(math.log2(n_head))
@@ -136,9 +125,9 @@ def alibi_slopes(n_head):
 
 
 def alibi_bias(q_pos, k_pos, slopes, window=None):
-    """Additive attention bias (H, Lq, Lk) from int64 positions (Lq,) and (Lk,).
-    window=W: causal sliding window, key j visible to query i iff 0 <= i - j < W.
-    window=None: bidirectional (inside a chunk), -slope * |i - j|."""
+    """Additive attention bias (H, Lq, Lk) from int64 positions (Lq,) and (Lk,). window=W: causal
+    sliding window, key j visible to query i iff 0 <= i - j < W. window=None: bidirectional
+    (inside a chunk), -slope * |i - j|."""
     d = q_pos[:, None] - k_pos[None, :]  # (Lq, Lk) int64: differences first, so exact at any position
     if window is None:
         return -slopes[:, None, None] * d.abs().float()
@@ -147,22 +136,20 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
 
 
 # -----------------------------------------------------------------------------
-# Sliding-window self-attention without a T x T mask: queries in blocks of W, each block
-# attends to the keys of its own and the previous block (2W keys) under one shared bias.
-# Memory O(T * W); the block layout is the same on CPU and GPU (SDPA picks the kernel).
+# Sliding-window self-attention without a T x T mask: queries in tiles of W, each tile attends
+# to the keys of its own and the previous tile (2W keys) under one shared bias. Memory O(T * W).
 
 
 def window_attention(q, k, v, pos0, window, slopes, ring=None):
-    """q, k, v: (B, H, L, D) for positions pos0 .. pos0+L-1 of a stream. ring: the layer's
-    KVRing holding the W positions before pos0 (decoding / segmented prefill), or None.
-    Returns (B, H, L, D). A whole sequence on a GPU goes through FlexAttention, which skips
-    the masked blocks; everything else (CPU, the ring) through blocked SDPA below."""
+    """q, k, v: (B, H, L, D) for positions pos0 .. pos0+L-1 of a stream; ring: the layer's KVRing
+    holding the W positions before pos0 (streaming), or None -> (B, H, L, D). A whole sequence
+    on a GPU goes through FlexAttention, everything else (CPU, a ring) through tiled SDPA."""
     if ring is None and q.is_cuda and flex_attention is not None:
         return flex_window_attention(q, k, v, window, slopes)
     B, H, L, D = q.shape
     W = window
     dev = q.device
-    # block 0: the first L0 queries see the ring (the previous W positions) and the segment's start
+    # tile 0: the first L0 queries see the ring (the previous W positions) and the segment's start
     L0 = min(L, W)
     q_pos = pos0 + torch.arange(L0, device=dev)
     k0, v0, k_pos = k[:, :, :L0], v[:, :, :L0], q_pos
@@ -173,43 +160,40 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
     y = F.scaled_dot_product_attention(q[:, :, :L0], k0, v0, attn_mask=mask)
     if L <= W:
         return y
-    # blocks 1..nb: block b holds queries [bW, bW+W) and keys [bW-W, bW+W), all inside the segment
-    nb = cdiv(L - W, W)
-    pad = (nb + 1) * W - L  # future positions at the end: causally invisible to every real query
-    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, (nb+1)W, D)
-    qb = qb[:, :, W:].unflatten(2, (nb, W))  # (B, H, nb, W, D)
-    kb, vb = (t.unfold(2, 2 * W, W).transpose(-1, -2) for t in (kb, vb))  # (B, H, nb, 2W, D)
-    qb, kb, vb = (t.transpose(1, 2).flatten(0, 1) for t in (qb, kb, vb))  # (B*nb, H, ., D)
-    pos1 = pos0 + W  # the bias is the same for every block: build it from block 1's positions
+    # tiles 1..nt: tile t holds queries [tW, tW+W) and keys [tW-W, tW+W), all inside the segment
+    nt = cdiv(L - W, W)
+    pad = (nt + 1) * W - L  # future positions at the end: causally invisible to every real query
+    qt, kt, vt = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, (nt+1)W, D)
+    qt = qt[:, :, W:].unflatten(2, (nt, W))  # (B, H, nt, W, D)
+    kt, vt = (t.unfold(2, 2 * W, W).transpose(-1, -2) for t in (kt, vt))  # (B, H, nt, 2W, D)
+    qt, kt, vt = (t.transpose(1, 2).flatten(0, 1) for t in (qt, kt, vt))  # (B*nt, H, ., D)
+    pos1 = pos0 + W  # the bias is the same for every tile: build it from tile 1's positions
     mask = alibi_bias(pos1 + torch.arange(W, device=dev), pos0 + torch.arange(2 * W, device=dev), slopes, W)
-    yb = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.to(q.dtype))  # (B*nb, H, W, D)
-    yb = yb.unflatten(0, (B, nb)).transpose(1, 2).flatten(2, 3)[:, :, : L - W]  # (B, H, L-W, D)
-    return torch.cat([y, yb], 2)
+    yt = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.to(q.dtype))  # (B*nt, H, W, D)
+    yt = yt.unflatten(0, (B, nt)).transpose(1, 2).flatten(2, 3)[:, :, : L - W]  # (B, H, L-W, D)
+    return torch.cat([y, yt], 2)
 
 
-# The same window through FlexAttention (a whole sequence, no ring): a block mask built from
-# the band's structure, so only the blocks the window touches are computed, and ALiBi as a
-# score_mod. Query and key indices are positions in the sequence: their difference is exact.
+# The same window through FlexAttention (a whole sequence, no ring): a BlockMask built from the
+# band's structure, so only the tiles the window touches are computed, and ALiBi as a score_mod.
 
-FLEX_BLOCK = 128  # FlexAttention's block-mask tile; the band is made of these blocks
-# Kernel tiles for the CUDA path, found by max-autotune at the training shape on an H200 (16,640
-# positions, 12 heads of 64, window 512): forward+backward 0.49 ms against 0.73 ms with the default
-# tiles; tuning inside every compile instead would add minutes to the first step.
+FLEX_TILE = 128  # the BlockMask's tile (FlexAttention's BLOCK_SIZE)
+# kernel tiles for bf16/fp16 on CUDA, fixed once by max-autotune at the training shape: tuning
+# inside every compile would add minutes to the first step
 FLEX_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
                 "num_warps": 4, "num_stages": 3}
 
 
-def window_block_mask(L, W, device, block=FLEX_BLOCK):
+def window_block_mask(L, W, device, tile=FLEX_TILE):
     """The causal window 0 <= i - j < W over L positions as a BlockMask, from the band's shape
-    (never an L x L mask): query block i meets key blocks i - t, for t = 0 .. n. Blocks t = 1 ..
-    f lie wholly inside the window ('full': no mask to apply); t = 0 (the causal edge) and t =
-    f+1 .. n (the window's far edge) are partial."""
-    f = max(0, (W - block) // block)  # t * block + block - 1 < W: every pair inside the window
-    n = (W + block - 2) // block  # t * block - block + 1 <= W - 1: some pair inside
-    nq = cdiv(L, block)
-    i = torch.arange(nq, device=device, dtype=torch.int32)[:, None]  # (nq, 1) query blocks
+    (never an L x L mask): query tile i meets key tiles i - t, t = 0 .. n. Tiles t = 1 .. f lie
+    wholly inside the window ('full': no mask to apply); t = 0 and t = f+1 .. n are partial."""
+    f = max(0, (W - tile) // tile)  # t * tile + tile - 1 < W: every pair inside the window
+    n = (W + tile - 2) // tile  # t * tile - tile + 1 <= W - 1: some pair inside
+    nq = cdiv(L, tile)
+    i = torch.arange(nq, device=device, dtype=torch.int32)[:, None]  # (nq, 1) query tiles
 
-    def blocks(t):  # key blocks i - t, the valid ones (>= 0) first: t ascends, so they are
+    def key_tiles(t):  # key tiles i - t, the valid ones (>= 0) first: t ascends, so they are
         j = i - torch.tensor(t, device=device, dtype=torch.int32)  # (nq, len(t))
         j = F.pad(j, (0, nq - len(t)), value=-1) if len(t) < nq else j[:, :nq]  # BlockMask wants (nq, nq)
         return (j >= 0).sum(1, dtype=torch.int32)[None, None], j.clamp(min=0)[None, None]
@@ -217,9 +201,9 @@ def window_block_mask(L, W, device, block=FLEX_BLOCK):
     def visible(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < W)
 
-    partial = blocks([0] + list(range(f + 1, n + 1)))
-    full = blocks(list(range(1, f + 1))) if f else (None, None)
-    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=visible, seq_lengths=(L, L))
+    partial = key_tiles([0] + list(range(f + 1, n + 1)))
+    full = key_tiles(list(range(1, f + 1))) if f else (None, None)
+    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=tile, mask_mod=visible, seq_lengths=(L, L))
 
 
 @functools.cache
@@ -227,15 +211,14 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)  # uncompiled, FlexAttention is a dense reference
 
 
-def flex_window_attention(q, k, v, window, slopes, block=FLEX_BLOCK):
-    """window_attention for a whole sequence (no ring) through FlexAttention. q, k, v: (B, H, L, D).
-    On a GPU outside torch.compile it runs a compiled FlexAttention (inside, the model's compile
-    covers it); on a CPU the unfused reference (tests)."""
-    def alibi(score, b, h, q_idx, kv_idx):
+def flex_window_attention(q, k, v, window, slopes, tile=FLEX_TILE):
+    """window_attention of a whole sequence through FlexAttention, q, k, v (B, H, L, D): compiled on
+    a GPU (inside torch.compile, the model's compile covers it), the unfused reference on a CPU."""
+    def alibi(score, b, h, q_idx, kv_idx):  # q_idx, kv_idx: positions in the sequence, exact
         return score - slopes[h] * (q_idx - kv_idx)
     attend = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     options = FLEX_OPTIONS if q.is_cuda and q.element_size() == 2 else None  # tuned for bf16/fp16 tiles
-    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, block),
+    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, tile),
                   kernel_options=options)
 
 
@@ -260,13 +243,25 @@ def from_chunks(x, offset, L):
     return x.flatten(1, 2)[:, offset : offset + L]
 
 
+def insert_landmarks(idx, cfg, n0=0):
+    """idx (B, T) text ids continuing a stream of n0 positions -> (ids (B, L), offset): the landmark
+    id after every S-1 text tokens, eagerly (a chunk whose last text token arrives is finished in
+    the same call), and the segment's offset n0 % S in its first chunk."""
+    S, (B, T) = cfg.chunk_size, idx.shape
+    offset = n0 % S
+    n_chunks = cdiv(offset + T, S - 1)
+    grid = torch.full((B, n_chunks * (S - 1)), cfg.landmark_id, dtype=idx.dtype, device=idx.device)
+    grid[:, offset : offset + T] = idx
+    grid = torch.cat([grid.view(B, n_chunks, S - 1), grid.new_full((B, n_chunks, 1), cfg.landmark_id)], 2)
+    n_full, rem = divmod(offset + T, S - 1)  # finished chunks (landmark included) and leftover tokens
+    return grid.view(B, n_chunks * S)[:, offset : n_full * S + rem], offset
+
+
 class ChunkEncoder(nn.Module):
-    """Bidirectional encoder of finished chunks (§3.1 of the paper). Input: last lower layer's
-    states, RMSNorm'd, cut into chunks of S. Output per chunk: the landmark vector l (the
-    landmark slot's state) and per-token memory keys/values from ONE pair of projections
-    shared by every upper layer and group. The landmark slot's key and value are zero: a
-    sink key with logit 0 and value 0, i.e. a softmax-off-by-one inside every picked chunk,
-    so a query that matches none of the chunk's tokens can take (almost) nothing from it."""
+    """Bidirectional encoder of finished chunks (§3.1): a chunk's last-lower-layer states -> its
+    landmark vector l (the landmark slot's state) and per-token memory keys/values, from ONE pair
+    of projections shared by every upper layer. The landmark slot's key/value are zero: a sink
+    with logit 0, so a query matching none of a picked chunk's tokens takes (almost) nothing."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -274,9 +269,8 @@ class ChunkEncoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
         self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
         self.n_head = cfg.n_head
-        is_landmark = torch.zeros(cfg.chunk_size, 1, 1, 1, dtype=torch.bool)
-        is_landmark[-1] = True
-        self.register_buffer("is_landmark", is_landmark, persistent=False)  # (S, 1, 1, 1)
+        is_landmark = torch.arange(cfg.chunk_size).view(-1, 1, 1, 1) == cfg.chunk_size - 1  # (S, 1, 1, 1)
+        self.register_buffer("is_landmark", is_landmark, persistent=False)
 
     def forward(self, x):  # x (B, n, S, C) -> kv (B, n, S, 2, H, D), l (B, n, C)
         B, n, S, C = x.shape
@@ -289,29 +283,28 @@ class ChunkEncoder(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Retrieval (§3.1-3.2). Per group g, the state at chunk t's landmark, as it enters the group,
-# scores every strictly earlier chunk j: r_j = RMSNorm_g(h_t) . l_j / sqrt(d) (Eq. 1). The
-# top-k are picked (of Gumbel-noised scores in training, to explore) and weighted by Eq. 3.
+# Retrieval (§3.1-3.2). Per group g, the state h_t at chunk t's landmark, as it enters the
+# group, scores every strictly earlier chunk j: r_j = RMSNorm_g(h_t) . l_j / sqrt(d) (Eq. 1).
+# The top-k are picked (of Gumbel-noised scores in training, to explore) and weighted by Eq. 3.
 
 
 @torch.no_grad()
-def topk_earlier(q, blocks, chunk_ids, k, noise=False, uniform=False):
-    """For each query landmark (chunk t), the k best-scoring chunks j < t. q (B, n, C),
-    blocks: the landmarks l_j as consecutive (B, mb, C) blocks, chunk_ids (n,) int64 ->
-    (idx, eligible) each (B, n, k). A running top-k over the blocks: at 1M chunks there
-    is never an n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2);
-    uniform=True ranks by random numbers instead: k earlier chunks drawn uniformly.
-    Scores are fp32 whatever the autocast: in bf16 (8 bits of mantissa) near-ties among a
-    million chunks would be decided by rounding, and a stream decoded token by token would
-    pick other chunks than the same stream run in one forward."""
+def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
+    """For each query landmark (chunk t), the k best-scoring chunks j < t (Eq. 1). q (B, n, C);
+    pages: the landmarks l_j as consecutive (B, m, C) tensors; chunk_ids (n,) int64 -> (idx,
+    eligible) each (B, n, k). A running top-k page by page: at 1M chunks there is never an
+    n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2); uniform=True ranks
+    by random numbers instead: k earlier chunks drawn uniformly."""
     B, n, C = q.shape
     q = upcast(q)
     best_s = q.new_full((B, n, k), float("-inf"))
     best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
     m0 = 0
-    for lm in blocks:  # (B, mb, C)
-        with torch.autocast(q.device.type, enabled=False):  # fp32 even under bf16 autocast: see above
-            s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, mb)
+    for lm in pages:  # (B, m, C)
+        # fp32 whatever the autocast: in bf16, rounding would decide near-ties among a million
+        # chunks, and a stream decoded token by token would pick other chunks than one forward
+        with torch.autocast(q.device.type, enabled=False):
+            s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, m)
         if uniform:
             s = torch.rand_like(s)
         elif noise:
@@ -327,10 +320,10 @@ def topk_earlier(q, blocks, chunk_ids, k, noise=False, uniform=False):
 
 
 def softmax_off_by_one(r, off_by_one=True):
-    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries get 0.
-    The 1 is a virtual chunk with score 0 and an empty output: when every pick scores low,
-    the weights all shrink and the group can ignore its retrieval. off_by_one=False is the
-    plain softmax of the release. Rows that are all -inf give all-zero weights either way."""
+    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries get 0. The 1 is
+    a virtual chunk with score 0 and an empty output: when every pick scores low, the weights all
+    shrink and the group can ignore its retrieval. off_by_one=False: the release's plain softmax.
+    Rows that are all -inf give all-zero weights either way."""
     m = r.amax(-1, keepdim=True)
     m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
     e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
@@ -338,18 +331,25 @@ def softmax_off_by_one(r, off_by_one=True):
     return e / torch.where(denom > 0, denom, 1)
 
 
-def retrieve(q, memory, chunk_ids, cfg, training):
-    """Eq. 1 + Eq. 3 for one group. q (B, n, C): normalised states at n landmarks (chunks
-    chunk_ids); memory: the ChunkMemory whose landmarks l_j are scored. Picks the top-k
-    earlier chunks (of Gumbel-noised scores in training) and weights them from the CLEAN
-    scores, through which the retriever gets its gradient. cfg.retriever="random" picks at random
-    (weights still Eq. 3 of their scores), "none" gives every pick weight 0.
-    -> idx (B, n, K) int64, w (B, n, K)."""
-    noise = training and cfg.gumbel
-    idx, eligible = topk_earlier(q, memory.lm.views(), chunk_ids, cfg.topk, noise, cfg.retriever == "random")
-    r = (upcast(q).unsqueeze(2) * upcast(memory.landmarks_at(idx))).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
+def retrieval_weights(q, picked, eligible, cfg):
+    """Eq. 3 of the picks' CLEAN Eq. 1 scores (no Gumbel noise): the retriever's gradient comes
+    through them. q (B, n, C); picked: the picks' landmarks (B, n, K, C); eligible (B, n, K) ->
+    w (B, n, K); all 0 for cfg.retriever="none"."""
+    r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
-    return idx, w * (cfg.retriever != "none")
+    return w * (cfg.retriever != "none")
+
+
+def read_one_chunk_later(carried, made, n_chunks):
+    """Causal retrieval (§3.1): the picks made at chunk c's landmark are read by the tokens of chunk
+    c+1 (chunk c itself lies in the window). made: (idx, w) (B, n, K) at a segment's n landmarks,
+    or None; carried: (idx, w) (B, 1, K) of the landmark before the segment, None at a stream's
+    start (chunk 0 reads weight-0 picks) -> (idx, w) (B, n_chunks, K) read by the segment's chunks."""
+    if made is None:  # no landmark here: the segment lies inside one chunk
+        return carried
+    if carried is None:
+        carried = tuple(torch.zeros_like(t[:, :1]) for t in made)
+    return tuple(torch.cat([before, here], 1)[:, :n_chunks] for before, here in zip(carried, made))
 
 
 def retrieval_stats(records, K):
@@ -371,20 +371,6 @@ def retrieval_stats(records, K):
     return {"sum_w": cat(sums), "max_w": cat(maxes), "entropy": cat(ents), "distance": cat(dists)}
 
 
-def read_one_chunk_later(carried, made, n_chunks):
-    """Causal retrieval (§3.1): the picks made at the landmark of chunk c are read by the
-    tokens of chunk c+1 (chunk c itself lies in the window). carried: (idx, w) (B, 1, K) made
-    at the last landmark before this segment, None at a stream's start; made: (idx, w) (B, n, K)
-    at the n landmarks of this segment, or None. -> (idx, w) (B, n_chunks, K): the picks each
-    chunk of the segment reads, i.e. `made` shifted one chunk later. Chunk 0 has no landmark
-    before it: picks of weight 0 stand in."""
-    if made is None:  # no landmark here: the segment lies inside one chunk
-        return carried
-    if carried is None:
-        carried = tuple(torch.zeros_like(t[:, :1]) for t in made)
-    return tuple(torch.cat([before, here], 1)[:, :n_chunks] for before, here in zip(carried, made))
-
-
 # -----------------------------------------------------------------------------
 # Grouped cross-attention (Eq. 2). For the S queries of a chunk and its K retrieved chunks:
 #     o = sum_i w_i * softmax(q K_i^T / sqrt(D)) V_i
@@ -396,9 +382,9 @@ GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA,
 
 
 def gca_reference(q, k_mem, v_mem, idx, w):
-    """The readable GCA, same signature as gca_kernel.flash_gca:
-    q (B, N, S, H, D) queries of N chunks; k_mem, v_mem (B, M, S, H, D) chunk memory;
-    idx (B, N, K) int64 picks in [0, M); w (B, N, K) their weights -> o (B, N, S, H, D)."""
+    """The readable GCA, same signature as gca_kernel.flash_gca: q (B, N, S, H, D) queries of N
+    chunks; k_mem, v_mem (B, M, S, H, D) chunk memory; idx (B, N, K) int64 picks in [0, M); w
+    (B, N, K) their weights -> o (B, N, S, H, D)."""
     B, N, S, H, D = q.shape
     b = torch.arange(B, device=q.device)[:, None]  # (B, 1): batch index for gathering by idx
     dtype, q = q.dtype, upcast(q)
@@ -412,15 +398,14 @@ def gca_reference(q, k_mem, v_mem, idx, w):
 
 
 def gca(q, k_mem, v_mem, idx, w):
-    """GCA through the fused Triton kernel where it applies (CUDA, a tile it is built for),
-    else the PyTorch reference: the same function either way."""
-    kernel = gca_kernel if GCA_IMPL != "torch" else None
-    if GCA_IMPL == "triton" and kernel is None:
+    """GCA through the fused Triton kernel where it applies (CUDA, a tile it is built for), else the
+    PyTorch reference: the same function either way."""
+    if GCA_IMPL == "triton" and gca_kernel is None:
         raise ImportError("DRT_GCA=triton, but gca_kernel (Triton) cannot be imported")
-    fits = (kernel is not None and q.is_cuda and k_mem.dtype == v_mem.dtype == q.dtype
-            and kernel.kernel_fits(q.size(2), q.size(4), q.dtype))
+    fits = (GCA_IMPL != "torch" and gca_kernel is not None and q.is_cuda and k_mem.dtype == v_mem.dtype == q.dtype
+            and gca_kernel.kernel_fits(q.size(2), q.size(4), q.dtype))
     if GCA_IMPL == "triton" or fits:
-        return kernel.flash_gca(q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
+        return gca_kernel.flash_gca(q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
     return gca_reference(q, k_mem, v_mem, idx, w)
 
 
@@ -441,8 +426,9 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden, bias=False)  # gate and up, one matmul
-        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
+        width = cfg.mlp_hidden or 64 * math.ceil(8 * cfg.n_embd / 3 / 64)  # 8/3 d: a 4d MLP's parameters
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * width, bias=False)  # gate and up, one matmul
+        self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
 
     def forward(self, x):
         gate, up = self.c_fc(x).chunk(2, dim=-1)
@@ -450,8 +436,7 @@ class SwiGLU(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Causal sliding-window attention (decoder) or bidirectional attention inside each chunk
-    (encoder), both with ALiBi."""
+    """Causal sliding-window attention (decoder) or attention inside each chunk (encoder), ALiBi."""
 
     def __init__(self, cfg, causal):
         super().__init__()
@@ -489,10 +474,8 @@ class Block(nn.Module):
 
 class UpperBlock(Block):
     """Upper decoder layer (§3.1): sliding-window self-attention, then GCA over the retrieved
-    chunks, whose output feeds the MLP's input but not the residual stream:
-        h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))
-    (the release found that feeding GCA into the MLP input only, not the carried residual,
-    mattered; we keep it)."""
+    chunks, whose output feeds the MLP's input but not the residual stream (as in the authors'
+    release): h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))"""
 
     def __init__(self, cfg):
         super().__init__(cfg, causal=True)
@@ -501,38 +484,31 @@ class UpperBlock(Block):
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.S, self.n_head = cfg.chunk_size, cfg.n_head
 
-    def forward(self, x, pos0, ring, offset, mem):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
+    def forward(self, x, mem, pos0=0, ring=None, offset=0):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
         h1 = x + self.attn(self.ln_1(x), pos0, ring)
         if mem is None:  # nothing retrievable yet (the first two chunks of a stream)
             return h1 + self.mlp(self.ln_2(h1))
-        k_mem, v_mem, idx, w = mem
         B, L, C = x.shape
         q = to_chunks(self.q_proj(self.ln_q(h1)), offset, self.S)  # (B, n_chunks, S, C)
-        q = q.unflatten(-1, (self.n_head, C // self.n_head))  # (B, n_chunks, S, H, D)
-        o = gca(q, k_mem, v_mem, idx, w)
+        o = gca(q.unflatten(-1, (self.n_head, C // self.n_head)), *mem)  # (B, n_chunks, S, H, D)
         o = from_chunks(o.flatten(-2), offset, L)  # (B, L, C)
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
 
-CE_ROWS = 4096  # rows per chunk of LinearCrossEntropy: 4096 x 50,304 fp32 logits = 0.8 GB at a time
+CE_ROWS = 4096  # rows of logits LinearCrossEntropy holds at a time: 4096 x 50,304 fp32 = 0.8 GB
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), computed chunk
-    of rows by chunk: x (N, C), weight (V, C), targets (N,) -> a scalar. The (N, V) logits are
-    never held whole (at 4 x 16,380 tokens and GPT-2's vocabulary they take 6.6 GB in bf16, and
-    three times that with their fp32 softmax and gradient). The forward takes each chunk's
-    gradients from the same softmax it takes the loss from (d loss / d logits = softmax -
-    onehot), only those a backward will use (none under no_grad: an evaluation costs one
-    matmul, not three); the backward only scales them. Matmuls follow autocast, sums are fp32.
-    Compiled, the gradient comes out of one fused pass from bf16 logits to bf16 (an fp32 gradient
-    cast later for the matmuls cost 1.6 ms more per 16,380 tokens on an H200); eager, it is made
-    in place."""
+    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), CE_ROWS rows at a
+    time, so the (N, V) logits are never held whole: x (N, C), weight (V, C), targets (N,) -> a
+    scalar. The forward takes each row's gradient from the softmax it takes the loss from (d loss
+    / d logits = softmax - onehot), only those a backward will use (none under no_grad: an
+    evaluation costs one matmul, not three); the backward only scales them."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, grad_enabled):
         want_dx, want_dw = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        acc = torch.promote_types(weight.dtype, torch.float32)  # fp32, or fp64 in the tests
+        acc = torch.promote_types(weight.dtype, torch.float32)  # sums in fp32 (fp64 in the tests)
         n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
         loss = x.new_zeros((), dtype=acc)
         dx = torch.empty_like(x) if want_dx else None
@@ -549,7 +525,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if torch.compiler.is_compiling():  # the one-hot as a comparison: one fused pass, cast included
                 onehot = torch.arange(z.size(1), device=z.device) == hit  # (rows, V)
                 g = ((z - lse).exp() - onehot.to(acc)) * valid
-            else:  # eager: in place, one (rows, V) buffer (on a CPU big temporaries cost more than the math)
+            else:  # eager: in place, one (rows, V) buffer
                 g = (z - lse).exp_().scatter_add_(1, hit, -valid).mul_(valid)
             g = g.to(logits.dtype)  # d loss_sum / d logits
             if want_dx:
@@ -590,36 +566,20 @@ class DRT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
         self.record = None  # a list to collect every retrieval into (retrieval_stats, sample.py --inspect), or None
-        self.apply(self._init_weights)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, 0.02)
         for name, p in self.named_parameters():  # GPT-2: scale residual-branch outputs by depth
             if name.endswith(("c_proj.weight", "o_proj.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * (cfg.n_lower + cfg.n_upper)))
-
-    def _init_weights(self, m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, 0.02)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied embedding counted once
 
     def new_state(self, offload=False, start_pos=0):
-        """A fresh stream for incremental decoding / segmented prefill (its batch size is the
-        first forward's). offload=True keeps the chunk keys/values in host memory (§3.2)."""
-        return DecodeState(self.config, self.wte.weight.device, offload, start_pos)
-
-    def layout(self, idx, n0):
-        """Insert landmarks (§3.1 of the paper). idx (B, T) text ids continuing a stream that has
-        n0 positions -> ids (B, L) of positions, landmark after every S-1 text tokens (eagerly:
-        a chunk whose last text token arrives is finished in the same call), and the segment's
-        offset n0 % S in its first chunk."""
-        S, (B, T) = self.config.chunk_size, idx.shape
-        offset = n0 % S
-        n_chunks = cdiv(offset + T, S - 1)
-        grid = torch.full((B, n_chunks * (S - 1)), self.config.landmark_id, dtype=idx.dtype, device=idx.device)
-        grid[:, offset : offset + T] = idx
-        grid = torch.cat([grid.view(B, n_chunks, S - 1), grid.new_full((B, n_chunks, 1), self.config.landmark_id)], 2)
-        n_full, rem = divmod(offset + T, S - 1)  # finished chunks (landmark included) and leftover tokens
-        return grid.view(B, n_chunks * S)[:, offset : n_full * S + rem], offset
+        """A fresh stream for decoding and segmented prefill (its batch size is the first forward's).
+        offload=True keeps the chunk keys/values in host memory (§3.2)."""
+        return StreamState(self.config, self.wte.weight.device, offload, start_pos)
 
     def check_input(self, idx, targets):
         cfg = self.config
@@ -637,76 +597,52 @@ class DRT(nn.Module):
                 raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
 
     def forward(self, idx, targets=None, state=None, return_logits=True):
-        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over
-        the text positions and the mean cross-entropy. Without: logits of the last position
-        (B, 1, vocab), loss None. state: a DecodeState to continue (and update), or None for
-        a stream that starts at idx[:, 0] and ends with the call (training). return_logits=False
-        (training): logits None, and the loss computed at the targeted positions only, never
-        holding (B, T, vocab)."""
+        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over the text
+        positions and the mean cross-entropy. Without: logits of the last position (B, 1, vocab),
+        loss None. return_logits=False (training): logits None, and the loss without ever holding
+        (B, T, vocab). state=None: a sequence that starts at idx[:, 0] and ends with the call
+        (training), written out below; else a StreamState to continue (the last section)."""
         self.check_input(idx, targets)
-        S, T = self.config.chunk_size, idx.size(1)
-        state = state if state is not None else OneCall(self.config)  # the one `state is None` check
-        ids, offset = self.layout(idx, state.n)  # (B, L) positions of this segment
-        pos0 = state.pos  # absolute position of ids[:, 0]
+        if state is not None:
+            return self.logits_and_loss(*forward_segment(self, idx, state), idx.size(1), targets, return_logits)
+        cfg, S = self.config, self.config.chunk_size
+        ids, _ = insert_landmarks(idx, cfg)  # (B, L): a landmark closes every S-1 text tokens
         x = self.wte(ids)  # (B, L, C)
-        for block, ring in zip(self.lower, state.rings):
-            x = block(x, pos0, ring)
-        if self.encoder is not None:
-            n_done = self.encode_finished_chunks(x, state)
-            x = self.upper_groups(x, offset, pos0, n_done, state)
-        state.advance(ids.size(1))
-        # logits only at text positions: landmarks predict nothing
-        x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C)
+        for block in self.lower:
+            x = block(x)
+        B, L, C = x.shape
+        n, n_chunks = L // S, cdiv(L, S)  # chunks finished (their landmark is in), chunks touched
+        if cfg.groups and n:
+            kv, l = self.encoder(x[:, : n * S].view(B, n, S, C))  # keys/values (B, n, S, 2, H, D), landmarks (B, n, C)
+        chunk_ids = torch.arange(n, device=x.device)  # (n,) the chunk of each landmark
+        b = torch.arange(B, device=x.device)[:, None, None]  # (B, 1, 1) batch index to gather the picks' landmarks
+        upper = iter(self.upper)
+        for g, size in enumerate(cfg.groups):
+            mem = None
+            if n:
+                q = self.ret_norm[g](x[:, S - 1 : n * S : S])  # (B, n, C) the group's input at the landmarks
+                picks, eligible = topk_earlier(q, [l], chunk_ids, cfg.topk, self.training and cfg.gumbel,
+                                               cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
+                w = retrieval_weights(q, l[b, picks], eligible, cfg)  # (B, n, K): Eq. 3
+                if self.record is not None:
+                    self.record.append((chunk_ids, picks, w.detach()))
+                picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
+                if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
+                    mem = (*kv.unbind(3), picks, w)
+            for block in itertools.islice(upper, size):
+                x = block(x, mem)  # self-attention, then GCA (Eq. 2) into the MLP
+        return self.logits_and_loss(x, 0, idx.size(1), targets, return_logits)
+
+    def logits_and_loss(self, x, offset, T, targets, return_logits):
+        """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions."""
+        S = self.config.chunk_size
+        x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C): landmarks predict nothing
         if targets is None:
             return self.lm_head(x[:, -1:]), None
-        if not return_logits:  # training: the loss without ever holding all (B, T, vocab) logits
+        if not return_logits:
             return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)
-        loss = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return logits, loss
-
-    def encode_finished_chunks(self, x, state):
-        """The chunk encoder (§3.1) over every chunk whose landmark is in this segment, x (B, L, C)
-        the last lower layer's states; a chunk's first slots may come from earlier segments, which
-        the state kept. The outputs go into the state's memory. -> the number of such chunks."""
-        B, L, C = x.shape
-        S = self.config.chunk_size
-        pending = state.unfinished(x)  # (B, offset + L, C): the unfinished chunk's earlier slots, then x
-        n_done = pending.size(1) // S  # chunks finished here = landmarks in this segment
-        kv_l = self.encoder(pending[:, : n_done * S].view(B, n_done, S, C)) if n_done else None
-        state.remember(kv_l, pending[:, n_done * S :])
-        return n_done
-
-    def upper_groups(self, x, offset, pos0, n_done, state):
-        """The upper layers, group by group. A group retrieves at this segment's n_done landmarks
-        from its own input (Eq. 1), and in its layers chunk c reads the picks made at the landmark
-        of chunk c-1 (GCA, Eq. 2). x (B, L, C) -> (B, L, C)."""
-        cfg, S, memory = self.config, self.config.chunk_size, state.memory
-        c0 = state.n // S  # stream index of the segment's first chunk
-        n_chunks = cdiv(offset + x.size(1), S)  # chunks this segment touches: c0 .. c0+n_chunks-1
-        landmark_chunks = c0 + torch.arange(n_done, device=x.device)  # (n_done,) chunks whose landmark is here
-        rings, layer = state.rings[cfg.n_lower :], 0
-        for g, size in enumerate(cfg.groups):
-            made = None
-            if n_done:
-                at_landmarks = to_chunks(x, offset, S)[:, :n_done, S - 1]  # (B, n_done, C) this group's input there
-                made = retrieve(self.ret_norm[g](at_landmarks), memory, landmark_chunks, cfg, self.training)
-                if self.record is not None:
-                    self.record.append((landmark_chunks, *(t.detach() for t in made)))
-            picks = read_one_chunk_later(state.picks[g], made, n_chunks)  # (idx, w) (B, n_chunks, K)
-            mem = None
-            if memory.M and c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing to read
-                idx, w = picks
-                mem = (*state.fetch(g, idx), w)
-            for block, ring in zip(self.upper[layer : layer + size], rings[layer : layer + size]):
-                x = block(x, pos0, ring, offset, mem)
-            layer += size
-            if made is not None:
-                state.keep_picks(g, made)
-        return x
-
-    # -------------------------------------------------------------------------
-    # training and sampling helpers
+        return logits, F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices only (not on norm gains)."""
@@ -730,9 +666,8 @@ class DRT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
-        """Continue idx (B, T) by max_new_tokens, one token per step, with O(W) self-attention
-        caches and the chunk memory (§3.2 of the paper). The prompt is prefilled in segments of
-        prefill_segment tokens. Returns (B, max_new_tokens) new ids."""
+        """Continue idx (B, T) by max_new_tokens, one token per step, through a stream (§3.2): the
+        prompt is prefilled in segments of prefill_segment tokens. -> (B, max_new_tokens) new ids."""
         state = state if state is not None else self.new_state()
         for s in range(0, idx.size(1), prefill_segment):
             logits, _ = self(idx[:, s : s + prefill_segment], state=state)
@@ -753,11 +688,10 @@ class DRT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Streaming state (§3.2): what a stream needs to continue. Memory O(W) per layer for self-
-# attention (a ring buffer, not a cache that grows with the context), plus the chunk memory.
-# DRT.forward takes its steps in order: rings, unfinished -> remember, picks / fetch ->
-# keep_picks, advance. DecodeState keeps a stream across calls; OneCall is a stream that ends
-# with its call (training), with the same methods.
+# Streaming (§3.2): a stream run segment by segment (long prefills, then decoding token by
+# token) computes what one forward over it would. Self-attention keeps the last W keys/values
+# of each layer (a ring, O(W)); the encoded chunks go into a store that grows by one chunk per
+# S positions (keys/values on the host with offload=True); each group's last picks carry over.
 
 
 class KVRing:
@@ -780,171 +714,136 @@ class KVRing:
         self.k[:, :, slots], self.v[:, :, slots], self.pos[slots] = k[:, :, -n:].detach(), v[:, :, -n:].detach(), pos[-n:]
 
 
-class Blocks:
-    """A (B, n, ...) tensor that grows along dim 1 without ever copying what it holds: a list of
-    blocks whose sizes double from `first` rows up to `cap`, on `device` (pinned host memory for
-    device='cpu' when CUDA is there). Appends fill the last block; reads find a row's block."""
+class PagedTensor:
+    """A (B, n, ...) tensor that grows along dim 1 without ever copying what it holds: pages whose
+    sizes double from `first` rows up to `cap`, on `device` (pinned host memory for device='cpu'
+    when CUDA is there)."""
 
     def __init__(self, first, cap, device):
         self.first, self.cap, self.device = first, cap, torch.device(device)
         self.pin = self.device.type == "cpu" and torch.cuda.is_available()
-        self.blocks, self.starts, self.n = [], [], 0  # starts[i]: the first row of blocks[i]
-
-    @classmethod
-    def of(cls, x):
-        """One block that is x itself (no copy: a training sequence's memory keeps its autograd graph)."""
-        blocks = cls(x.size(1), x.size(1), x.device)
-        blocks.blocks, blocks.starts, blocks.n = [x], [0], x.size(1)
-        return blocks
+        self.pages, self.starts, self.n = [], [], 0  # starts[i]: the first row of pages[i]
 
     def append(self, x):  # x (B, m, ...); device -> pinned host copies run asynchronously
         j = 0
         while j < x.size(1):
-            if not self.blocks or self.n == self.starts[-1] + self.blocks[-1].size(1):  # the last block is full
-                size = min(self.first * 2 ** len(self.blocks), self.cap)
-                self.blocks.append(torch.empty(x.size(0), size, *x.shape[2:], dtype=x.dtype, device=self.device,
-                                               pin_memory=self.pin))
+            if not self.pages or self.n == self.starts[-1] + self.pages[-1].size(1):  # the last page is full
+                size = min(self.first * 2 ** len(self.pages), self.cap)
+                self.pages.append(torch.empty(x.size(0), size, *x.shape[2:], dtype=x.dtype, device=self.device,
+                                              pin_memory=self.pin))
                 self.starts.append(self.n)
             off = self.n - self.starts[-1]
-            m = min(x.size(1) - j, self.blocks[-1].size(1) - off)
-            self.blocks[-1][:, off : off + m].copy_(x[:, j : j + m], non_blocking=True)
+            m = min(x.size(1) - j, self.pages[-1].size(1) - off)
+            self.pages[-1][:, off : off + m].copy_(x[:, j : j + m], non_blocking=True)
             j, self.n = j + m, self.n + m
 
-    def views(self):
-        """The stored rows, block by block: [(B, rows, ...)]."""
-        return [block[:, : self.n - start] for block, start in zip(self.blocks, self.starts)]
+    def views(self):  # the stored rows, page by page: [(B, rows, ...)]
+        return [page[:, : self.n - start] for page, start in zip(self.pages, self.starts)]
 
     def take(self, rows):
-        """rows (U,) int64 (on the blocks' device) -> (B, U, ...): one copy per block touched."""
-        blk = torch.searchsorted(torch.tensor(self.starts, device=rows.device), rows, right=True) - 1  # (U,)
-        out = self.blocks[0].new_empty(self.blocks[0].size(0), len(rows), *self.blocks[0].shape[2:],
-                                       pin_memory=self.pin)
-        for b in blk.unique().tolist():
-            at = (blk == b).nonzero().squeeze(1)
-            out[:, at] = self.blocks[b].index_select(1, rows[at] - self.starts[b])
+        """rows (U,) int64 (on the pages' device) -> (B, U, ...): one copy per page touched."""
+        at_page = torch.searchsorted(torch.tensor(self.starts, device=rows.device), rows, right=True) - 1  # (U,)
+        first = self.pages[0]
+        out = first.new_empty(first.size(0), len(rows), *first.shape[2:], pin_memory=self.pin)
+        for i in at_page.unique().tolist():
+            at = (at_page == i).nonzero().squeeze(1)
+            out[:, at] = self.pages[i].index_select(1, rows[at] - self.starts[i])
         return out
 
-    def nbytes(self):
-        """Bytes of the stored rows (the last block's spare rows not counted)."""
-        return self.n * self.blocks[0][:, :1].numel() * self.blocks[0].element_size() if self.blocks else 0
+    def nbytes(self):  # of the stored rows (the last page's spare rows not counted)
+        return self.n * self.pages[0][:, :1].numel() * self.pages[0].element_size() if self.pages else 0
 
 
-class ChunkMemory:
-    """The encoded chunks of a stream: per-token keys and values kv (B, M, S, 2, H, D) and
-    landmarks (B, M, C), in Blocks, so a million chunks are never re-copied as they come.
-    Landmarks stay on the compute device (retrieval scores them block by block). With
-    offload=True the keys/values live in host memory, 2*S*C*bytes per chunk, and only the
-    picked chunks travel to the device: GPU memory grows by the landmarks alone (§3.2).
-    append is the one way in; ChunkMemory.of views a training sequence's encoder outputs."""
+class ChunkStore:
+    """The encoded chunks of a stream: keys/values kv (B, M, S, 2, H, D) and landmarks (B, M, C),
+    paged, so a million chunks are never re-copied as they come. With offload=True the keys/values
+    live in host memory and only the picked chunks travel to the device: GPU memory grows by the
+    landmarks alone (§3.2), which retrieval scores page by page where they are."""
 
-    LM_BLOCKS = (256, 65536)  # landmark blocks: rows of the first block, rows of the largest
-    KV_BLOCKS = (64, 16384)  # key/value blocks: the same, so at 1M chunks a fetch touches <= ~70 blocks
+    LM_PAGES = (256, 65536)  # landmark pages: rows of the first page, rows of the largest
+    KV_PAGES = (64, 16384)  # key/value pages: the same, so at 1M chunks a gather touches <= ~70 pages
 
     def __init__(self, device, offload=False):
-        self.offload = offload
-        self.kv = Blocks(*self.KV_BLOCKS, "cpu" if offload else device)
-        self.lm = Blocks(*self.LM_BLOCKS, device)
-
-    @classmethod
-    def of(cls, kv, l):
-        """The memory of one training sequence: the encoder's outputs themselves, no copies."""
-        memory = cls(l.device)
-        memory.kv, memory.lm = Blocks.of(kv), Blocks.of(l)
-        return memory
-
-    @property
-    def M(self):  # chunks held
-        return self.lm.n
+        self.kv = PagedTensor(*self.KV_PAGES, "cpu" if offload else device)
+        self.lm = PagedTensor(*self.LM_PAGES, device)
 
     def append(self, kv, l):  # kv (B, n, S, 2, H, D); l (B, n, C)
-        self.kv.append(kv.detach())  # a stream's memory holds no autograd graph
+        self.kv.append(kv.detach())  # a stream's store holds no autograd graph
         self.lm.append(l.detach())
 
-    def landmarks_at(self, idx):
-        """l_j of the picks idx (B, n, K) -> (B, n, K, C)."""
-        b = torch.arange(idx.size(0), device=idx.device)[:, None, None]  # (B, 1, 1)
-        if len(self.lm.blocks) == 1:  # training: plain indexing, differentiable, no sync
-            return self.lm.blocks[0][b, idx]
+    def landmarks_at(self, idx):  # l_j of the picks idx (B, n, K) -> (B, n, K, C)
         uniq, inv = torch.unique(idx, return_inverse=True)
-        return self.lm.take(uniq)[b, inv]
+        return self.lm.take(uniq)[torch.arange(idx.size(0), device=idx.device)[:, None, None], inv]
 
-    def fetch(self, idx):
-        """Keys/values to run GCA with picks idx (B, n, K): -> k_mem, v_mem (B, U, S, H, D) and
-        idx' (B, n, K) into them, on idx's device. One block on the device (training, short
-        streams): the block itself and idx. Else just the picked chunks, deduplicated; from host
-        memory they are gathered into pinned memory and copied in without blocking the host."""
-        if len(self.kv.blocks) == 1 and not self.offload:
-            return *self.kv.blocks[0][:, : self.M].unbind(3), idx
+    def gather(self, idx):
+        """The keys/values GCA reads for picks idx (B, n, K): -> k_mem, v_mem (B, U, S, H, D) of the U
+        distinct picks, and idx' (B, n, K) into them, on idx's device. From host memory they go
+        through pinned memory, copied in without blocking the host."""
         uniq, inv = torch.unique(idx.to(self.kv.device), return_inverse=True)  # (U,); .cpu() waits for append's copies
         kv = self.kv.take(uniq).to(idx.device, non_blocking=True)  # (B, U, S, 2, H, D)
         return *kv.unbind(3), inv.to(idx.device)
 
-    def nbytes(self):
-        """Bytes of chunk keys/values held (host or device): 2 * S * C elements per chunk."""
+    def nbytes(self):  # of chunk keys/values held (host or device): 2 * S * C elements per chunk
         return self.kv.nbytes()
 
 
-class DecodeState:
-    """A stream in progress (§3.2 of the paper, inference). Create with DRT.new_state; pass to
-    every forward of the stream. Prompts in one batch share their length. An inference object:
-    it stores detached tensors, so no autograd graph outlives a call and memory stays
-    O(W + chunks) however long the stream runs with gradients enabled."""
+class StreamState:
+    """A stream in progress: create with DRT.new_state, pass to every forward of the stream (prompts
+    in one batch share their length). It holds detached tensors only: no autograd graph outlives
+    a call, so memory stays O(W + chunks) however long the stream runs."""
 
     def __init__(self, cfg, device, offload=False, start_pos=0):
         self.n = 0  # positions processed so far, landmarks included; chunk c holds n in [cS, cS+S)
         self.start_pos = start_pos  # absolute position of the first slot: ALiBi uses only differences
         self.rings = [KVRing(cfg.window) for _ in range(cfg.n_lower + cfg.n_upper)]
         self.chunk_buf = None  # (B, n % S, C) last-lower-layer states of the unfinished chunk
-        self.memory = ChunkMemory(device, offload)
+        self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
-        self.fetched = [None] * len(cfg.groups)  # offload: per group, picks[g]'s chunks already on the device
+        self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
 
     @property
     def pos(self):  # absolute position of the next slot
         return self.n + self.start_pos
 
-    def unfinished(self, x):  # x (B, L, C) -> (B, n % S + L, C): the unfinished chunk's earlier slots first
-        return x if self.chunk_buf is None else torch.cat([self.chunk_buf, x], 1)
 
-    def remember(self, kv_l, rest):  # kv_l: the encoder's (kv, l) of the chunks finished, or None
-        # a copy: a view would keep the whole segment (and its graph) alive until the chunk completes
-        self.chunk_buf = rest.detach().clone()
-        if kv_l is not None:
-            self.memory.append(*kv_l)
-
-    def fetch(self, g, idx):  # keys/values of group g's picks idx (B, n, K): see ChunkMemory.fetch
-        if idx.size(1) == 1 and self.fetched[g] is not None:  # inside one chunk: its picks were prefetched
-            return self.fetched[g]
-        return self.memory.fetch(idx)
-
-    def keep_picks(self, g, made):  # made (idx, w) (B, n, K); the last landmark's picks serve the next chunk
-        idx, w = made
-        self.picks[g] = (idx[:, -1:], w[:, -1:].detach())
-        if self.memory.offload:  # prefetch: the copy runs while this call finishes; the next S tokens reuse it
-            self.fetched[g] = self.memory.fetch(self.picks[g][0])
-
-    def advance(self, L):
-        self.n += L
-
-
-class OneCall(DecodeState):
-    """The state of a stream that starts at the call's first token and ends with the call
-    (state=None: training, one-shot evaluation). Nothing outlives the call, so it has no rings
-    (attention over the whole segment; FlexAttention on a GPU), carries no picks, and its
-    memory is the encoder's outputs themselves, which keep their autograd graph: the loss
-    trains the encoder through GCA (Eq. 2) and the landmarks through the weights (Eq. 1, 3)."""
-
-    def __init__(self, cfg):
-        self.n = self.start_pos = 0
-        self.rings = [None] * (cfg.n_lower + cfg.n_upper)
-        self.chunk_buf = self.memory = None
-        self.picks, self.fetched = [None] * len(cfg.groups), [None] * len(cfg.groups)
-
-    def remember(self, kv_l, rest):
-        self.memory = ChunkMemory.of(*kv_l) if kv_l is not None else ChunkMemory(rest.device)
-
-    def keep_picks(self, g, made):  # no next call to serve
-        pass
+def forward_segment(model, idx, state):
+    """DRT.forward's steps for the next segment idx (B, T) of a stream, continuing and updating
+    state -> the last layer's states (B, L, C) and the segment's offset in its first chunk."""
+    cfg, S, store = model.config, model.config.chunk_size, state.store
+    ids, offset = insert_landmarks(idx, cfg, state.n)  # (B, L)
+    x = model.wte(ids)  # (B, L, C)
+    for block, ring in zip(model.lower, state.rings):
+        x = block(x, state.pos, ring)
+    B, L, C = x.shape
+    n, n_chunks = (offset + L) // S, cdiv(offset + L, S)  # chunks finished here (landmark in), chunks touched
+    if cfg.groups:  # a finished chunk's first slots may come from earlier segments
+        pending = x if state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, offset + L, C)
+        if n:
+            store.append(*model.encoder(pending[:, : n * S].view(B, n, S, C)))
+        state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
+    c0 = state.n // S  # the segment touches chunks c0 .. c0 + n_chunks - 1
+    chunk_ids = c0 + torch.arange(n, device=x.device)  # (n,) the chunk of each landmark here
+    upper, rings = iter(model.upper), iter(state.rings[cfg.n_lower :])
+    for g, size in enumerate(cfg.groups):
+        made = None
+        if n:
+            q = model.ret_norm[g](to_chunks(x, offset, S)[:, :n, S - 1])  # (B, n, C)
+            picks, eligible = topk_earlier(q, store.lm.views(), chunk_ids, cfg.topk, model.training and cfg.gumbel,
+                                           cfg.retriever == "random")
+            made = picks, retrieval_weights(q, store.landmarks_at(picks), eligible, cfg)
+            if model.record is not None:
+                model.record.append((chunk_ids, picks, made[1].detach()))
+        mem = None
+        if c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing earlier to read
+            picks, w = read_one_chunk_later(state.picks[g], made, n_chunks)  # (B, n_chunks, K)
+            mem = (*(state.prefetched[g] if n_chunks == 1 else store.gather(picks)), w)
+        for block in itertools.islice(upper, size):
+            x = block(x, mem, state.pos, next(rings), offset)
+        if made is not None:  # the last landmark's picks serve the next segment's first chunk
+            state.picks[g] = (made[0][:, -1:], made[1][:, -1:].detach())
+            state.prefetched[g] = store.gather(state.picks[g][0])  # from the host, the copy overlaps the call's rest
+    state.n += L
+    return x, offset
 
 
 if __name__ == "__main__":

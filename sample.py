@@ -11,7 +11,7 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
 
 The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture
 flags. Prompts of any length are prefilled in segments and continued token by token with
-O(W) self-attention caches (model.DecodeState); --offload keeps the chunk memory (the keys
+O(W) self-attention caches (model.StreamState); --offload keeps the chunk memory (the keys
 and values of every past chunk) in host memory and brings only the retrieved chunks to the
 GPU. Every argument is checked before the checkpoint loads, so a typo costs no load time.
 """
@@ -189,7 +189,7 @@ def answer_prompt(model, prompt, n, state, segment, progress=None):
     [(chunk ids (K,), weights (K,))] per upper group that served the prompt's last token, which
     predicts the answer's first)."""
     prefill(model, prompt[:-1], state, segment, progress)
-    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]  # DecodeState
+    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]  # StreamState
     logits = prefill(model, prompt[-1:], state, segment)
     return greedy(model, logits, state, n), picks
 
@@ -262,7 +262,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             got = needle_picks(prompt, answer, picks, T)
             if got is not None:
                 eligible, found, top, weight = eligible + 1, found + got[0], top + got[1], weight + got[2]
-            kv = state.memory.nbytes()
+            kv = state.store.nbytes()
             del state  # before the next sample allocates its own memory
         dt = (time.time() - t0) / args.samples
         gpu = peak_mem_gib(device) if device.type == "cuda" else float("nan")
@@ -393,7 +393,7 @@ def read_docs(path, enc, max_tokens=None):
 
 @torch.no_grad()
 def doc_nll(model, ids, args, ctx):
-    """The loss of every token of one document streamed from its start through a DecodeState, in
+    """The loss of every token of one document streamed from its start through a StreamState, in
     segments, as the long-context tests stream their prompts: (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
     device = next(model.parameters()).device
     x = torch.as_tensor(ids, dtype=torch.long, device=device)[None]  # (1, n)

@@ -1,6 +1,6 @@
 """
 Tests for DRT (Hu et al., ICML 2025, arXiv 2410.01651), in the order the paper builds the model:
-the layout (landmarks, chunks) -> positions (ALiBi) and sliding-window attention -> the chunk
+the landmarks and chunks -> positions (ALiBi) and sliding-window attention -> the chunk
 encoder -> retrieval (Eq. 1 scores, Gumbel top-k, Eq. 3 weights) -> GCA's reference (Eq. 2) ->
 the FlashGCA kernel (gca_kernel.py) against it -> the model end to end -> the streaming state
 (decoding, prefill, offload) -> training (train.py) -> long-context tasks and sampling (tasks.py,
@@ -44,8 +44,8 @@ import model as drt  # noqa: E402
 import prepare_pg19  # noqa: E402
 import train  # noqa: E402
 from gca_kernel import flash_gca  # noqa: E402
-from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieve, softmax_off_by_one  # noqa: E402
-from model import ChunkMemory, topk_earlier, window_attention  # noqa: E402
+from model import DRT, DRTConfig, alibi_bias, alibi_slopes, gca_reference, retrieval_weights, softmax_off_by_one  # noqa: E402
+from model import ChunkStore, insert_landmarks, topk_earlier, window_attention  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # helpers: tiny models, random text ids, the GPT-2 tokenizer (or a skip)
@@ -94,23 +94,23 @@ def _tokenizer_or_skip(monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# layout (§3.1): text ids in order, a landmark closing every chunk of S-1 of them
+# landmarks (§3.1): text ids in order, a landmark closing every chunk of S-1 of them
 
 
-def test_layout_landmarks():
-    """DRT.layout (§3.1): the landmark id at every stream position p with p % S == S-1, the text
+def test_insert_landmarks():
+    """insert_landmarks (§3.1): the landmark id at every stream position p with p % S == S-1, the text
     ids in order at every other; a chunk whose last text token arrives gets its landmark in the
     same call; a stream given in pieces is laid out as in one call, each piece at offset n0 % S."""
-    model = tiny_model()
-    cfg, S = model.config, model.config.chunk_size
+    cfg = tiny_config()
+    S = cfg.chunk_size
     idx = tokens(cfg, 2, 3 * (S - 1) + 2, seed=18)
-    ids, offset = model.layout(idx, 0)
+    ids, offset = insert_landmarks(idx, cfg)
     is_landmark = torch.arange(3 * S + 2) % S == S - 1
     assert offset == 0 and ids.shape == (2, 3 * S + 2)
     assert (ids[:, is_landmark] == cfg.landmark_id).all() and torch.equal(ids[:, ~is_landmark], idx)
     n0, parts = 0, []
     for a, b in [(0, 5), (5, 7), (7, 8), (8, 3 * (S - 1) + 2)]:  # (5, 7) ends on a chunk's last text token
-        part, offset = model.layout(idx[:, a:b], n0)
+        part, offset = insert_landmarks(idx[:, a:b], cfg, n0)
         assert offset == n0 % S
         parts.append(part)
         n0 += part.size(1)
@@ -192,7 +192,7 @@ def test_flex_window_attention(L, W, block):
     dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + alibi_bias(pos, pos, slopes, W), -1) @ v
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
-        flex = flex_window_attention(q, k, v, W, slopes, block=block)
+        flex = flex_window_attention(q, k, v, W, slopes, tile=block)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(window_attention(q, k, v, 0, W, slopes), dense, rtol=1e-5, atol=1e-5)
 
@@ -332,11 +332,11 @@ def test_retrieval_weights_use_clean_scores():
     B, M, C = 2, 30, cfg.n_embd
     landmarks, q = torch.randn(B, M, C), torch.randn(B, M, C)
     chunk_ids = torch.arange(M)
-    memory = ChunkMemory.of(torch.zeros(B, M, 1, 2, 1, 1), landmarks)  # only the landmarks matter here
-    idx, w = retrieve(q, memory, chunk_ids, cfg, training=True)
-    clean_idx, _ = retrieve(q, memory, chunk_ids, cfg, training=False)
+    idx, eligible = topk_earlier(q, [landmarks], chunk_ids, cfg.topk, noise=True)
+    clean_idx, _ = topk_earlier(q, [landmarks], chunk_ids, cfg.topk)
     assert not torch.equal(idx, clean_idx), "Gumbel noise changed no pick"
     b = torch.arange(B)[:, None, None]
+    w = retrieval_weights(q, landmarks[b, idx], eligible, cfg)
     r = (q[:, :, None] * landmarks[b, idx]).sum(-1) / math.sqrt(C)
     eligible = (torch.arange(cfg.topk)[None, None, :] < chunk_ids[None, :, None]).expand(B, -1, -1)  # t earlier chunks
     expect = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")))
@@ -818,24 +818,24 @@ def test_segmented_prefill_equals_one_shot(offload):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_memory_blocks(monkeypatch, offload):
-    """Landmarks and keys/values stored in many small growing blocks (as at 16M tokens, with
-    blocks of thousands of chunks) give the same decoding as one block: block boundaries are
-    invisible to retrieval and to the fetch of the picked chunks."""
+def test_store_pages(monkeypatch, offload):
+    """Landmarks and keys/values stored in many small growing pages (as at 16M tokens, with
+    pages of thousands of chunks) give the same decoding as one page: page boundaries are
+    invisible to retrieval and to the gather of the picked chunks."""
     model = tiny_model(groups=(1, 1)).eval()
     idx = tokens(model.config, 2, 120, seed=17)
     with torch.no_grad():
         full = all_logits(model, idx)
-        monkeypatch.setattr(ChunkMemory, "LM_BLOCKS", (1, 3))
-        monkeypatch.setattr(ChunkMemory, "KV_BLOCKS", (2, 4))
+        monkeypatch.setattr(ChunkStore, "LM_PAGES", (1, 3))
+        monkeypatch.setattr(ChunkStore, "KV_PAGES", (2, 4))
         state = model.new_state(offload=offload)
         parts = [all_logits(model, idx[:, a:b], state) for a, b in [(0, 50), (50, 51), (51, 120)]]
-    assert len(state.memory.lm.blocks) > 4 and len(state.memory.kv.blocks) > 4
+    assert len(state.store.lm.pages) > 4 and len(state.store.kv.pages) > 4
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
 
 
 def test_state_holds_no_graph():
-    """A DecodeState used with gradients enabled keeps no autograd graph (memory stays O(W +
+    """A StreamState used with gradients enabled keeps no autograd graph (memory stays O(W +
     chunks), not O(stream)), and the unfinished chunk's buffer is a copy, not a view that keeps
     the whole segment alive."""
     model = tiny_model(groups=(1, 1), dtype=torch.float32)
@@ -843,9 +843,9 @@ def test_state_holds_no_graph():
     for seg in (tokens(model.config, 2, 45, seed=1), tokens(model.config, 2, 30, seed=2)):
         logits, _ = model(seg, state=state)
         assert logits.grad_fn is not None  # the call itself is differentiable
-    m = state.memory
-    held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.lm.blocks + m.kv.blocks + [state.chunk_buf]
-    held += [t for p in state.picks for t in p]
+    m = state.store
+    held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.lm.pages + m.kv.pages + [state.chunk_buf]
+    held += [t for p in state.picks + state.prefetched for t in p]
     assert all(t is not None and t.grad_fn is None and not t.requires_grad for t in held)
     buf = state.chunk_buf
     assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
@@ -853,16 +853,13 @@ def test_state_holds_no_graph():
 
 def stream_picks(model, idx, state=None):
     """The chunks picked at every landmark of idx (1, T), per group: [(n, K) sorted] — from one
-    forward (state=None) or token by token through a DecodeState."""
+    forward (state=None) or token by token through a StreamState."""
     S, G = model.config.chunk_size, len(model.config.groups)
     if state is None:
-        calls, orig = [], drt.retrieve
-        drt.retrieve = lambda *a: calls.append(orig(*a)) or calls[-1]
-        try:
-            model(idx)
-        finally:
-            drt.retrieve = orig
-        return [calls[g][0][0].sort(-1).values for g in range(G)]
+        model.record = []  # one (chunk ids, idx, w) per group
+        model(idx)
+        records, model.record = model.record, None
+        return [records[g][1][0].sort(-1).values for g in range(G)]
     picks = [[] for _ in range(G)]
     for t in range(idx.size(1)):
         n = state.n
@@ -918,7 +915,7 @@ def test_cuda_offload_equals_device(dtype):
             assert rel_err(parts, full[:, :690]) < tol, offload
             steps = torch.cat([m(idx[:, t : t + 1], state=state)[0] for t in range(690, 720)], 1).float()
             assert rel_err(steps, full[:, 690:]) < tol, offload
-        assert state.memory.kv.blocks[0].is_pinned() and state.memory.kv.device.type == "cpu"
+        assert state.store.kv.pages[0].is_pinned() and state.store.kv.device.type == "cpu"
 
 
 def test_generate_odd_prompt():
@@ -1718,7 +1715,7 @@ def test_task_variants(monkeypatch):
     """The held-out variants of sample.py, built by make_example: keys=N needles of distinct names
     (the asked one's key the answer), a template's phrasing, keys of `digits` digits, the asked
     needle at a depth of the filler, or its key `past` tokens before the end with the others before
-    it; every prompt aligned (its last token opens a chunk, through DRT.layout)."""
+    it; every prompt aligned (its last token opens a chunk, through insert_landmarks)."""
     import random
 
     import tasks
@@ -1811,7 +1808,7 @@ def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
 
 def test_in_reach_counts_positions():
     """in_reach: the answer's last mention lies within `reach` positions of the prompt's last token,
-    positions as DRT.layout lays them out (a landmark after every S-1 tokens); prompt_kwargs'
+    positions as insert_landmarks lays them out (a landmark after every S-1 tokens); prompt_kwargs'
     'reach' puts a key just past it at every chunk phase."""
     import sample
     model = DRT(tiny_config())  # S=8
@@ -1824,7 +1821,7 @@ def test_in_reach_counts_positions():
         for i in range(n - 2):
             prompt = [1] * n
             prompt[0:2] = prompt[i : i + 2] = answer  # two mentions: the later one counts
-            ids, _ = model.layout(torch.tensor([prompt]), 0)
+            ids, _ = insert_landmarks(torch.tensor([prompt]), model.config)
             pos = (ids[0] != model.config.landmark_id).nonzero().squeeze(1)  # the text tokens' positions
             assert sample.in_reach(prompt, answer, T, reach) == (pos[-1] - pos[i + 1] < reach)
             if n - 1 - (i + 1) == past:  # the key `past` tokens before the end: just out of reach
