@@ -244,8 +244,9 @@ class TaskRows:
             raise ValueError(f"task_haystack: {e}") from None
         try:
             for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
-                make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc, min_depth=c.task_min_depth,
-                             align=self.align, names=self.names, keys=self.keys[1], template=template)
+                make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
+                             min_depth=c.task_min_depth, align=self.align, names=self.names, keys=self.keys[1],
+                             template=template)
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 

@@ -930,7 +930,7 @@ def test_generate_odd_prompt():
 
 
 # -----------------------------------------------------------------------------
-# training (train.py, configurator.py): the config block, errors, resume and fine-tuning, tasks, DDP, Ctrl-C and dying ranks
+# training (train.py, configurator.py): the config block, errors, resume, fine-tuning, tasks, DDP, Ctrl-C, dying ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1029,7 +1029,7 @@ def test_overrides():
     (["--batch_size"], r"write overrides as --key=value"),
     (["--block_size=0"], r"block_size=0 must be a positive int"),
     (["config/nothing.py"], r"config file config/nothing.py not found"),
-    (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac and repeat_frac mix rows into a text dataset; --dataset=passkey is"),
+    (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac and repeat_frac mix rows into a text dataset; --dataset=passkey"),
     (["--device=tpu"], r"^device='tpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'$"),
     (["--dataset=passkey,nope"], r"^dataset='passkey,nope': a comma list is of synthetic tasks, each one of passkey, "),
     (["--learning_rate=-1"], r"^learning_rate=-1.0 must be >= 0$"),

@@ -113,7 +113,8 @@ def check_config(config):
             if config[k] < 0]
     bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "repeat_frac", "task_haystack_frac")
             if not 0 <= config[k] <= 1]
-    choices = {"task_loss": ("all", "answer"), "task_names": ("pool", "twenty"), "dtype": ("auto", "bfloat16", "float32")}
+    choices = {"task_loss": ("all", "answer"), "task_names": ("pool", "twenty"),
+               "dtype": ("auto", "bfloat16", "float32")}
     bad += [f"{k}={config[k]!r} must be one of {', '.join(v)}" for k, v in choices.items() if config[k] not in v]
     bad += [why for wrong, why in [
         (not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
@@ -262,8 +263,8 @@ def model_config(c, given, ckpt, src):
         stored = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
         if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
             said = ", ".join(f"{k}={stored[k]!r}, the config asks {arch[k]!r}" for k in clash)
-            raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the command "
-                              f"line or config file) or start a new out_dir")
+            raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the "
+                              f"command line or config file) or start a new out_dir")
         arch = {k: stored[k] for k in MODEL_KEYS}
     try:
         model_args = dataclasses.asdict(DRTConfig(**arch))
