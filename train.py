@@ -47,7 +47,7 @@ from model import DRT, DRTConfig, retrieval_stats, window_reach
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
 # I/O
 out_dir = "out"  # ckpt.pt (weights, optimizer, loop state) and ckpt.json (the same without tensors) go here
-eval_interval = 1000  # steps between evaluations, each followed by a save
+eval_interval = 1000  # steps between evaluations, and so between checkpoints
 log_interval = 10  # steps between log lines; each syncs the GPU once (under torchrun, a Ctrl-C stops at the next)
 eval_iters = 40  # micro-batches per split per evaluation: 40 x 4 x 16380 = 2.6M tokens, a steady estimate
 always_save_checkpoint = True  # save at every evaluation, not only when val improves: a long run stays resumable
