@@ -1,17 +1,19 @@
 """
 Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
-formatting, the --lengths parser, a GPU's peak FLOP/s (for MFU) and peak memory, the checkpoint
-loader. Not run on its own.
+formatting, the --lengths parser, a GPU's peak FLOP/s (for MFU) and peak memory, the check that an
+output folder is writable, the checkpoint loader. Not run on its own.
 
-    from common import fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib
+    from common import fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, unwritable
 
 torch is imported inside the functions that use it, so prepare_pg19.py and its worker
 processes, which need only fmt_time, do not load it.
 """
 
+import os
 import pickle
 import resource
 import sys
+import tempfile
 import zipfile
 
 import numpy as np
@@ -82,6 +84,19 @@ def peak_mem_gib(device="cpu"):
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def unwritable(folder):
+    """Make folder if need be -> None if files can be written there, else why not, in words that
+    begin with its name; before any real work, so a run that cannot save fails at once."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except (FileExistsError, NotADirectoryError):  # folder, or one above it, is a file
+        return f"{folder} is a file, or inside one"
+    except OSError as e:
+        return f"{folder} is not writable ({e})"
+    return None
 
 
 class CheckpointError(Exception):

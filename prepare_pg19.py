@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
-from common import fmt_time
+from common import fmt_time, unwritable
 
 EOT = 50256          # <|endoftext|>, appended after every book
 GPT2_VOCAB = 50257   # fits uint16, so a token costs 2 bytes on disk
@@ -283,17 +283,6 @@ def tokenize_split(books, path, pool, log=_print, name=""):
         os.fsync(f.fileno())  # whole on disk before it may be renamed over the old one
     return {"books": len(books), "tokens": n_tok, "offsets": offsets}
 
-def make_writable_dir(out_dir):
-    """Create out_dir if needed and check that files can be written there, before any real work."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
-        open(probe, "wb").close()
-        os.remove(probe)
-    except (FileExistsError, NotADirectoryError):  # out_dir, or a folder above it, is a file
-        raise ValueError(f"output folder {out_dir} is a file, or inside one: pass --out to a folder") from None
-    except OSError as e:
-        raise ValueError(f"output folder {out_dir} is not writable ({e}): pass --out to a writable folder") from None
 
 def read_meta(meta_path):
     """The meta.json of an earlier run ({} if none, or unreadable: then this run starts afresh)."""
@@ -332,7 +321,8 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     if max_books is not None and max_books < 1:
         raise ValueError(f"max_books={max_books}: give a positive number of books per split, or none for all")
     books = {s: list_books(source, s, max_books) for s in splits}  # every split before any real work
-    make_writable_dir(out_dir)
+    if why := unwritable(out_dir):
+        raise ValueError(f"output folder {why}: pass --out to a writable folder")
     ranks_file = ranks_file or os.environ.get("DRT_GPT2_RANKS")
     _init_worker(ranks_file)  # fail fast on a tokenizer problem, before starting workers
     meta_path = os.path.join(out_dir, "meta.json")

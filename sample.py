@@ -289,7 +289,7 @@ def copy_span(cfg):
 def copy_far_span(cfg):
     """Tokens in a far span of the copying test: the windows' reach in positions, plus 8, so that
     (landmarks taking room too) no chain of windows reaches from a token back to its earlier
-    occurrence: only retrieval can copy it. The far copy rows of train.py's stage 1 (copy_row)
+    occurrence: only retrieval can copy it. The far copy rows of train.py's stage 1 (tasks.copy_row)
     are spans of this kind."""
     return window_reach(cfg) + 8
 

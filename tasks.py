@@ -20,26 +20,31 @@ the question, so retrieval knows what is asked (the paper pads its prompts the s
 landmark falls before "is"). Unaligned, the landmark before the answer saw only part of the
 question, or none of it.
 
+Training rows (train.py): TaskRows draws train.py's batches of these tasks from its task_* keys;
+copy_row and repeat_passage are the rows it mixes into a text dataset (--copy_frac, --repeat_frac).
+
     from tasks import make_example, get_batch
     prompt, answer = make_example("passkey", 4096, random.Random(0), enc, align=63)
 """
 
 import functools
+import itertools
 import os
+import random
 import re
 
 import numpy as np
 import torch
 
 from common import max_token_id
-from prepare_pg19 import GPT2_VOCAB
+from prepare_pg19 import GPT2_VOCAB, get_tokenizer
 
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
 ANSWER_END = "."  # what follows a key in its needle; training rows end their answer with it, so a model learns
 # to stop the number (tests score the key followed by a digit as wrong)
-MAX_ANSWER = 6  # tokens an answer can take (a 5-digit number, then ANSWER_END): a training row keeps room after the prompt
+MAX_ANSWER = 6  # tokens an answer takes at most (5 digits, then ANSWER_END): a training row keeps room for it
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
 # a second test list (sample.py --unseen_names), never in a training prompt: with train.py --task_names=twenty
@@ -218,6 +223,67 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
             y[b, : len(prompt) - 1] = -1
             y[b, len(prompt) - 1 + len(answer) :] = -1
     return x, y
+
+
+def parse_keys(text):
+    """train.py's --task_keys: 'N' or 'A-B' -> (A, B), multi-key's needle counts; None if it reads as neither."""
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    keys = m and (int(m[1]), int(m[2] or m[1]))
+    return keys if keys and 2 <= keys[0] <= keys[1] <= 16 else None
+
+
+class TaskRows:
+    """train.py's batches of synthetic tasks (--dataset=passkey,multikey: one task drawn per row), as
+    its task_* keys say (c: train.py's config). ValueError where the haystack is unusable or the
+    longest needles and question do not fit a row after task_min_depth."""
+
+    def __init__(self, c):
+        self.c, self.tasks, self.vocab, self.enc = c, c.dataset.split(","), GPT2_VOCAB, get_tokenizer()
+        self.align = c.chunk_size - 1 if c.task_align else None
+        self.names = word_pool(self.enc) if c.task_names == "pool" else NAMES
+        self.keys, self.templates = parse_keys(c.task_keys), tuple(c.task_templates.split(","))
+        try:
+            self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
+        except (OSError, ValueError) as e:
+            raise ValueError(f"task_haystack: {e}") from None
+        try:
+            for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
+                make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
+                             min_depth=c.task_min_depth, align=self.align, names=self.names, keys=self.keys[1],
+                             template=template)
+        except ValueError as e:
+            raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
+
+    def batch(self, rng, answer_only):
+        """x, y (B, T) on the CPU: get_batch with the run's keys."""
+        c = self.c
+        return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
+                         answer_only, c.task_min_depth, self.align, self.names, self.keys, self.templates)
+
+
+def copy_row(n, rng, vocab, reach):
+    """A training row of n tokens that teaches copying: a span of random tokens (nothing else
+    predicts them) repeated from the row's start to its end, as often as fits. Half the rows are
+    near: 24-100 tokens, copied within the window (induction); half far: more than `reach` tokens,
+    so each repeat lies further back than the stacked windows see and only retrieval (top-k
+    chunks, then GCA) can copy it. Answering by a name (multi-key) builds on both."""
+    far = rng.random() < 0.5 and n - 108 > reach + 8  # room for a far span and a repeat of >= 108 tokens
+    L = rng.randrange(reach + 8, n - 108) if far else rng.randrange(24, 101)
+    return np.resize(np.array([rng.randrange(vocab) for _ in range(L)], dtype=np.int64), n)
+
+
+def repeat_passage(row, rng, reach):
+    """The row (n,) of text with a passage of 63-504 tokens (1-8 chunks, as the row allows) copied over
+    a later part of it, more than `reach` tokens after its first reading: no chain of self-attention
+    windows links the two, so only retrieval (top-k chunks, then GCA) can predict the repeat from it."""
+    if len(row) < 2 * 63 + reach + 8:
+        return row
+    P = rng.randrange(63, min(504, (len(row) - reach - 8) // 2) + 1)
+    a = rng.randrange(len(row) - 2 * P - reach - 7)
+    b = rng.randrange(a + P + reach + 8, len(row) - P + 1)
+    row = row.copy()
+    row[b : b + P] = row[a : a + P]
+    return row
 
 
 def score(generated_ids, answer_ids, enc):

@@ -14,7 +14,7 @@
 # first 256 tokens, whose chunks are told apart by having no past. Multi-key's names are drawn from thousands of words, none a test asks about, so the model must match them.
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
-dataset = "passkey,multikey"  # one model for both; adding 2-hop (vartrack), which this small model never learns, left multi-key half-learned in 1 seed of 3
+dataset = "passkey,multikey"  # one model for both (2-hop vartrack is beyond this small model)
 task_haystack = "data/pg19/train.bin"
 task_haystack_frac = 0.5
 task_align = True

@@ -3,7 +3,7 @@
 #   python train.py config/passkey_pretrain.py        # then config/passkey_finetune.py
 # Answering by a name (multi-key) builds on copying, which 116M tokens of 24 books do not teach:
 # half the rows are a random span repeated to the row's end, within the window or past its reach
-# (train.py copy_row). Without the spans past the reach, the multi-key fine-tune stays at <= 30%.
+# (tasks.copy_row). Without the spans past the reach, the multi-key fine-tune stays at <= 30%.
 # d=256, 2 lower + 2 upper layers, a 1-layer chunk encoder, top-4 retrieval. Prompts of 1,008
 # tokens (16 chunks) are twice the reach of the stacked windows (4 layers x 128 positions):
 # trained on prompts the windows cover, retrieval learns a position shortcut and fails at
@@ -30,5 +30,5 @@ learning_rate = 2e-3
 min_lr = 2e-4
 warmup_frac = 0.05
 max_iters = 1500
-copy_frac = 0.5  # half the rows random tokens to copy, near and past the windows (train.py copy_row)
+copy_frac = 0.5  # half the rows random tokens to copy, near and past the windows (tasks.copy_row)
 seed = 0  # the README reports seeds 0, 1, 2 (--seed=N for both stages)
