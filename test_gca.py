@@ -1205,6 +1205,12 @@ def test_bad_checkpoint_files(tmp_path):
         assert "\n" not in str(e.value)
         with pytest.raises(common.CheckpointError, match=message + r".*: point --init_from at a train.py ckpt.pt"):
             train.main(tiny_args(tmp_path, "ft", f"--init_from={bad}"))
+    weights = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    weights.pop("optimizer")  # weights alone: they fine-tune, but do not resume
+    torch.save(weights, bad)
+    with pytest.raises(common.CheckpointError, match=r"holds weights alone .*cannot be resumed: fine-tune from it"):
+        train.main(tiny_args(tmp_path, "bad", "--init_from=resume", "--max_iters=2"))
+    train.main(tiny_args(tmp_path, "ft2", f"--init_from={bad}", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
 
 
 def test_passkey_task(tmp_path, monkeypatch):

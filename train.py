@@ -413,6 +413,9 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
         if not finetune:  # a fine-tune keeps only the weights: its own optimizer, schedule and best loss
+            if "optimizer" not in ckpt:
+                raise CheckpointError(f"{src} holds weights alone (no optimizer state) and cannot be resumed: "
+                                      f"fine-tune from it with --init_from=<its folder> and a new --out_dir")
             optimizer.load_state_dict(ckpt["optimizer"])
             iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         ckpt.clear()  # free it (main holds it too)
