@@ -33,8 +33,8 @@ import common
 from common import fmt_len, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
 from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
-from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, make_example, needles_and_question
-from tasks import occurrences, score
+from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
+from tasks import needles_and_question, occurrences, score
 
 
 PROGRESS_AFTER = 10  # seconds a prefill or a copying test runs before it says how far it got
@@ -110,12 +110,6 @@ def wilson(k, n, z=1.96):
     return max(0.0, mid - half), min(1.0, mid + half)  # at 0/n and n/n, exactly 0 and 1 give or take rounding
 
 
-def key_owner(needles, got, answer):
-    """The name whose key, in another needle than the asked one, the wrong answer `got` is, or None."""
-    owners = re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles))  # "of falcon is 71432.", "VAR XQZT = 71432."
-    return next((name for name, key in owners if key == got != answer), None)
-
-
 @torch.no_grad()
 def greedy(model, logits, state, n):
     out = []
@@ -143,36 +137,16 @@ def prompt_seed(seed, task, L, i):
     return f"{seed}-{task}-{L}-{i}"
 
 
-def prompt_room(task, seed, enc, align=None, **kw):
-    """Tokens that the needles and question of the test prompt drawn with random.Random(seed)
-    take: the shortest length make_example accepts for it (with align, the shortest whose cut
-    prompt still fits). Only short lengths are tried, so no long filler is built; whether a
-    length fits grows with it (the needles are drawn first), so a bisection finds it."""
-    def fits(n):
-        try:
-            make_example(task, n, random.Random(seed), enc, align=align, **kw)
-            return True
-        except ValueError:  # too short for the needles and question
-            return False
-    lo, hi = 1, 64
-    while not fits(hi):
-        lo, hi = hi + 1, 2 * hi
-    while lo < hi:  # bisect: the smallest n in [lo, hi] that fits
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-    return lo
-
-
 def check_lengths(tasks, lengths, samples, seed, enc, align=None, **kw):
     """Every test prompt must hold its needles and question: a length too short for the prompts
     run_task will draw is an error now, before the model loads, naming the shortest that works."""
     for task in tasks:
         # prompts differ by a few tokens (multikey: 62 to 69); no length below the longest of 64
         # probes passes, so that whether a length passes does not hang on the luck of its seeds
-        floor = max(prompt_room(task, i, enc, align, **kw) for i in range(64))
+        floor = max(min_length(task, i, enc, align, **kw) for i in range(64))
 
         def ok(L):  # every prompt run_task draws at length L fits
-            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc, align, **kw) <= L
+            return L >= floor and all(min_length(task, prompt_seed(seed, task, L, i), enc, align, **kw) <= L
                                       for i in range(samples))
 
         for L in lengths:

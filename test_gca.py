@@ -1867,15 +1867,14 @@ def test_key_owner():
     other chain's variable in 2-hop, none for the asked key or a number in no needle."""
     import random
 
-    import sample
     import tasks
     for task, template in [("multikey", "key"), ("multikey", "code"), ("multikey", "id"), ("vartrack", "key")]:
         needles, _, answer, _ = tasks.needles_and_question(task, random.Random(1), template=template)
         answer = answer.strip()
         owners = dict((k, n) for n, k in re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles)))
         other = next(k for k in owners if k != answer)
-        assert sample.key_owner(needles, other, answer) == owners[other] and owners[other] in "".join(needles)
-        assert sample.key_owner(needles, answer, answer) is None and sample.key_owner(needles, "7", answer) is None
+        assert tasks.key_owner(needles, other, answer) == owners[other] and owners[other] in "".join(needles)
+        assert tasks.key_owner(needles, answer, answer) is None and tasks.key_owner(needles, "7", answer) is None
 
 
 def test_harness_depth_and_reach(tmp_path, monkeypatch, capsys):
