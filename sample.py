@@ -110,16 +110,6 @@ def wilson(k, n, z=1.96):
     return max(0.0, mid - half), min(1.0, mid + half)  # at 0/n and n/n, exactly 0 and 1 give or take rounding
 
 
-@torch.no_grad()
-def greedy(model, logits, state, n):
-    out = []
-    for _ in range(n):
-        nxt = logits[:, -1, : model.config.landmark_id].argmax(-1, keepdim=True)  # (1, 1)
-        out.append(nxt.item())
-        logits, _ = model(nxt, state=state)
-    return out
-
-
 def prompt_kwargs(args, cfg=None, depth=None):
     """make_example's arguments for the test flags: the names, --keys, --template, --digits, and one
     --depth bin ('reach' needs the model's config: the asked key just past the windows' reach)."""
@@ -159,13 +149,15 @@ def check_lengths(tasks, lengths, samples, seed, enc, align=None, **kw):
 
 
 def answer_prompt(model, prompt, n, state, segment, progress=None):
-    """Prefill `prompt` into the fresh state, then decode n tokens greedily -> (the tokens, the picks
-    [(chunk ids (K,), weights (K,))] per upper group that served the prompt's last token, which
-    predicts the answer's first)."""
+    """Prefill the prompt, decode n tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))]
+    per upper group: the picks that served the prompt's last token, which predicts the answer). The
+    picks are read before the last token goes in, which may close a chunk whose landmark picks anew:
+    so that token is left to model.generate, and the rest prefilled here, with progress."""
     prefill(model, prompt[:-1], state, segment, progress)
-    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]  # DecodeState
-    logits = prefill(model, prompt[-1:], state, segment)
-    return greedy(model, logits, state, n), picks
+    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
+    last = torch.as_tensor(np.asarray(prompt[-1:]), dtype=torch.long, device=next(model.parameters()).device)[None]
+    out = model.generate(last, n, temperature=0, state=state, prefill_segment=segment)
+    return out[0].tolist(), picks
 
 
 def needle_picks(prompt, answer, picks, T):
