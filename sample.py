@@ -30,14 +30,29 @@ import torch
 import torch.nn.functional as F
 
 import common
-from common import fmt_len, parse_lengths, peak_mem_gib
+from common import fmt_len, fmt_time, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
 from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
 from tasks import needles_and_question, occurrences, score
 
 
-PROGRESS_AFTER = 10  # seconds a prefill or a copying test runs before it says how far it got
+PROGRESS_AFTER = 10  # seconds between progress lines: long work says how far it got, short work stays quiet
+
+
+class Progress:
+    """Called with the work done so far; prints `label: done/total unit after T, ETA T` at most
+    every PROGRESS_AFTER seconds."""
+
+    def __init__(self, label, total, unit="tokens"):
+        self.label, self.total, self.unit = label, total, unit
+        self.t0 = self.last = time.time()
+
+    def __call__(self, done):
+        if time.time() - self.last > PROGRESS_AFTER:
+            self.last, dt = time.time(), time.time() - self.t0
+            print(f"  {self.label}: {done:,}/{self.total:,} {self.unit} after {fmt_time(dt)}, "
+                  f"ETA {fmt_time(dt * (self.total - done) / max(done, 1))}", flush=True)
 
 
 def error(msg):
@@ -76,13 +91,10 @@ def load_checkpoint(path, device):
 def prefill(model, ids, state, segment, progress=None):
     """Feed ids (a sequence of ints) through the model in segments; returns the last logits (1, 1, V)."""
     x = torch.as_tensor(np.asarray(ids), dtype=torch.long)[None].to(next(model.parameters()).device)
-    t0, last = time.time(), time.time()
     for s in range(0, len(ids), segment):
         logits, _ = model(x[:, s : s + segment], state=state)
-        if progress and time.time() - last > PROGRESS_AFTER:
-            done, dt = s + segment, time.time() - t0
-            progress(f"{done:,}/{len(ids):,} tokens, {done / dt:,.0f} tok/s, ETA {(len(ids) - done) * dt / done:.0f}s")
-            last = time.time()
+        if progress:
+            progress(min(s + segment, len(ids)))
     return logits
 
 
@@ -211,8 +223,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             seed = prompt_seed(args.seed, task, L, i)  # same prompts for every model and run
             prompt, answer = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
             state = model.new_state(offload=args.offload)
-            progress = None if L < 2**18 else (  # long prefills say how far they are
-                lambda msg, i=i: print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True))
+            progress = Progress(f"{fmt_len(L)} sample {i + 1}/{args.samples}", len(prompt) - 1)
             with ctx:
                 out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress)
             hit = score(out, answer, enc)
@@ -285,19 +296,16 @@ def copy_test(model, args, ctx, haystack=None):
     header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8}"
     print(header + "\n" + "-" * len(header))
 
-    t0 = time.time()
-
     def pass_losses(name, span, passes, starts):  # span (n, k) repeated `passes` times -> mean loss after each start
         x = torch.from_numpy(np.tile(span, passes)).to(device)  # (n, passes * k)
         k, out = span.shape[1], []
+        progress = Progress(f"{name}, {k}-token spans", len(starts), "passes")
         for s in starts:  # the loss on tokens s+1 .. s+k-1 alone, never holding (n, passes * k, vocab) logits
             y = torch.full_like(x[:, 1:], -1)
             y[:, s : s + k - 1] = x[:, s + 1 : s + k]
             with ctx:
                 out.append(model(x[:, :-1], y, return_logits=False)[1].item())
-            if time.time() - t0 > PROGRESS_AFTER:  # a big model on a CPU: show it is alive
-                print(f"  {name}: {k}-token spans, pass {len(out)} of {len(starts)} done after {time.time() - t0:.0f}s",
-                      flush=True)
+            progress(len(out))
         return out
 
     losses = {}
@@ -358,20 +366,19 @@ def read_docs(path, enc, max_tokens=None):
 
 
 @torch.no_grad()
-def doc_nll(model, ids, args, ctx):
+def doc_nll(model, ids, args, ctx, name="document"):
     """The loss of every token of one document streamed from its start through a DecodeState, in
     segments, as the long-context tests stream their prompts: (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
     device = next(model.parameters()).device
     x = torch.as_tensor(ids, dtype=torch.long, device=device)[None]  # (1, n)
-    state, seg, nll, t0 = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), [], time.time()
+    state, seg, nll = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), []
+    progress = Progress(name, x.size(1) - 1)
     for s in range(0, x.size(1) - 1, seg):
         y = x[:, s + 1 : s + seg + 1]  # (1, L) the next tokens
         with ctx:
             logits, _ = model(x[:, s : s + y.size(1)], y, state=state)  # (1, L, V)
         nll.append(F.cross_entropy(logits[0].float(), y[0], reduction="none"))
-        if x.size(1) > 2**18 and time.time() - t0 > 10:
-            print(f"  {s + y.size(1):,}/{x.size(1) - 1:,} tokens, {(s + y.size(1)) / (time.time() - t0):,.0f} tok/s",
-                  flush=True)
+        progress(s + y.size(1))
     return torch.cat(nll).cpu()
 
 
@@ -385,8 +392,8 @@ def perplexity(model, docs, modes, args, ctx):
     for mode in modes:
         model.config.retriever, model.record = mode, []
         sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
-        for _, ids in docs:
-            nll = doc_nll(model, ids, args, ctx).double()
+        for name, ids in docs:
+            nll = doc_nll(model, ids, args, ctx, name).double()
             bucket = torch.bucketize(torch.arange(1, len(ids)), torch.tensor(BUCKETS), right=True) - 1  # of the predicted token
             sums.index_add_(0, bucket, nll)
             counts += torch.bincount(bucket, minlength=len(BUCKETS))

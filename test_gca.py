@@ -2008,7 +2008,7 @@ def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
     with Largest() as largest:
         sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=4", "--device=cpu"])
     assert largest.numel <= 64 * 50304 < 4 * 527 * 50304 // 8
-    assert len(re.findall(r"^  random tokens: \d+-token spans, pass \d of \d done after \d+s$",
+    assert len(re.findall(r"^  random tokens, \d+-token spans: \d/\d passes after \d+m\d\ds, ETA \d+m\d\ds$",
                           capsys.readouterr().out, re.M)) == 5  # 3 near passes, 2 far
 
 
