@@ -22,6 +22,7 @@ import os
 import random
 import re
 import sys
+import textwrap
 import time
 from contextlib import nullcontext
 
@@ -60,31 +61,24 @@ def error(msg):
     raise SystemExit(f"sample.py: error: {msg}")
 
 
-def load_checkpoint(path, device):
-    """The model saved by train.py, with the config it was trained with."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "ckpt.pt")
+def load_model(path, device):
+    """The DRT that train.py saved at path (a ckpt.pt or its out_dir), in eval mode -> (model, checkpoint)."""
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         error(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
     try:
         ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
+        model = DRT(DRTConfig(**ckpt["model_args"]))
     except common.CheckpointError as e:
         error(e)
-    try:
-        cfg = DRTConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
         error(f"the config stored in {path} does not build a DRT: {e}")
-    model = DRT(cfg)
-    state = ckpt["model"]
-    own = model.state_dict()
-    wrong = [f"{k}: checkpoint {tuple(v.shape)}, config {tuple(own[k].shape)}"
-             for k, v in state.items() if k in own and own[k].shape != v.shape]
-    missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    if wrong or missing or extra:
-        detail = "; ".join(wrong[:3] + [f"missing {m}" for m in missing[:3]] + [f"unexpected {e}" for e in extra[:3]])
-        error(f"the weights in {path} do not fit the config stored with them ({cfg}): {detail}. "
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # torch names each mismatch on a line of its own: the first three, on one
+        detail = textwrap.shorten("; ".join(line.strip(" \t.") for line in str(e).splitlines()[1:4]), 600)
+        error(f"the weights in {path} do not fit the config stored with them ({model.config}): {detail}. "
               f"Was the checkpoint written by another version of model.py?")
-    model.load_state_dict(state)
     return model.to(device).eval(), ckpt
 
 
@@ -620,7 +614,7 @@ def main(argv=None):
     docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None
 
     torch.manual_seed(args.seed)
-    model, ckpt = load_checkpoint(args.ckpt or args.out_dir, args.device)
+    model, ckpt = load_model(args.ckpt or args.out_dir, args.device)
     print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): "
           f"{model.num_params() / 1e6:.1f}M parameters, {model.config}")
     device_type = "cuda" if "cuda" in args.device else "cpu"

@@ -2083,7 +2083,7 @@ def test_ppl_by_position(tmp_path, monkeypatch, capsys):
     np.concatenate([books[0], [prepare_pg19.EOT], books[1], [prepare_pg19.EOT]]).astype(np.uint16).tofile(tmp_path / "t.bin")
     docs = sample.read_docs(str(tmp_path / "t.bin"), enc=None)
     assert [len(d) for _, d in docs] == [1500, 300] and all(np.array_equal(d, b) for (_, d), b in zip(docs, books))
-    model, _ = sample.load_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64), "cpu")
+    model, _ = sample.load_model(tiny_checkpoint(tmp_path / "ckpt.pt", window=64), "cpu")
     args, ctx = SimpleNamespace(segment=100, offload=False), torch.autocast("cpu", enabled=False)
     whole = sample.doc_nll(model, docs[0][1], SimpleNamespace(segment=10**6, offload=False), ctx)
     assert whole.shape == (1499,) and torch.allclose(sample.doc_nll(model, docs[0][1], args, ctx), whole, atol=1e-4)
@@ -2104,7 +2104,7 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
     from types import SimpleNamespace
 
     import sample
-    model, _ = sample.load_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1)), "cpu")
+    model, _ = sample.load_model(tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1)), "cpu")
     ids = np.random.default_rng(1).integers(0, 50257, 1200)
     enc = SimpleNamespace(decode=lambda t: " ".join(map(str, t)))  # no tokenizer needed
     args = SimpleNamespace(offload=False, segment=256)
