@@ -7,11 +7,12 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
     python sample.py --out_dir=out-passkey --passkey --lengths=64K,1M,16M --offload --samples_per_length=5
     python sample.py --out_dir=out-passkey --multikey --vartrack --haystack=data/pg19/val.bin
     python sample.py --out_dir=out-passkey-pretrain --copying --haystack=data/pg19/val.bin  # does it copy?
-    python sample.py --out_dir=out-passkey --multikey --keys=12 --template=code --depth=0.1,0.5,0.9,reach --seed=2026
+    python sample.py --out_dir=out-lm --ppl --docs=data/pg19/test.bin --retrieval=learned,none,random
+    python sample.py --out_dir=out-lm --inspect --docs=data/pg19/test.bin --at=200000
 
 The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture
 flags. Prompts of any length are prefilled in segments and continued token by token with
-O(W) self-attention caches (model.StreamState); --offload keeps the chunk memory (the keys
+O(W) self-attention caches (§3.2 of the paper); --offload keeps the chunk memory (the keys
 and values of every past chunk) in host memory and brings only the retrieved chunks to the
 GPU. Every argument is checked before the checkpoint loads, so a typo costs no load time.
 """
@@ -22,6 +23,7 @@ import os
 import random
 import re
 import sys
+import textwrap
 import time
 from contextlib import nullcontext
 
@@ -30,14 +32,14 @@ import torch
 import torch.nn.functional as F
 
 import common
-from common import fmt_len, parse_lengths, peak_mem_gib
+from common import fmt_len, fmt_time, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
 from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
-from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, make_example, needles_and_question
-from tasks import occurrences, score
+from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
+from tasks import needles_and_question, occurrences, score
 
-
-PROGRESS_AFTER = 10  # seconds a prefill or a copying test runs before it says how far it got
+# -----------------------------------------------------------------------------
+# Generation: a checkpoint, a prompt, model.generate
 
 
 def error(msg):
@@ -45,90 +47,142 @@ def error(msg):
     raise SystemExit(f"sample.py: error: {msg}")
 
 
-def load_checkpoint(path, device):
-    """The model saved by train.py, with the config it was trained with."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "ckpt.pt")
+def load_model(path, device):
+    """The DRT that train.py saved at path (a ckpt.pt or its out_dir), in eval mode -> (model, checkpoint)."""
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         error(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
     try:
         ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
+        model = DRT(DRTConfig(**ckpt["model_args"]))
     except common.CheckpointError as e:
         error(e)
-    try:
-        cfg = DRTConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
         error(f"the config stored in {path} does not build a DRT: {e}")
-    model = DRT(cfg)
-    state = ckpt["model"]
-    own = model.state_dict()
-    wrong = [f"{k}: checkpoint {tuple(v.shape)}, config {tuple(own[k].shape)}"
-             for k, v in state.items() if k in own and own[k].shape != v.shape]
-    missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    if wrong or missing or extra:
-        detail = "; ".join(wrong[:3] + [f"missing {m}" for m in missing[:3]] + [f"unexpected {e}" for e in extra[:3]])
-        error(f"the weights in {path} do not fit the config stored with them ({cfg}): {detail}. "
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # torch names each mismatch on a line of its own: the first three, on one
+        detail = textwrap.shorten("; ".join(line.strip(" \t.") for line in str(e).splitlines()[1:4]), 600)
+        error(f"the weights in {path} do not fit the config stored with them ({model.config}): {detail}. "
               f"Was the checkpoint written by another version of model.py?")
-    model.load_state_dict(state)
     return model.to(device).eval(), ckpt
 
 
+def read_prompt(prompt):
+    """The --prompt text, read from a file for FILE:path."""
+    if not prompt.startswith("FILE:"):
+        return prompt
+    try:
+        with open(prompt[5:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        error(f"--prompt={prompt}: cannot read it ({e.strerror}): give an existing text file, or the text itself")
+    except UnicodeDecodeError:
+        error(f"--prompt={prompt}: not UTF-8 text: give a text file, or the text itself")
+
+
+def generate(model, enc, prompt, args, ctx):
+    """Print --num_samples continuations of the prompt, each after the prompt's last 500 characters."""
+    x = torch.tensor([enc.encode_ordinary(prompt) or [enc.eot_token]], device=args.device)  # (1, T)
+    for _ in range(args.num_samples):
+        with ctx:
+            y = model.generate(x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
+                               state=model.new_state(offload=args.offload), prefill_segment=args.segment)
+        print(prompt[-500:] + enc.decode(y[0].tolist()))
+        print("-" * 40, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# The long-context harness: passkey, multi-key and 2-hop accuracy by length (Appendix D), one
+# table per test, beside what retrieval picked for the answer
+
+
+LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
+MAX_LENGTH = 2**26  # 64M tokens: the longest --lengths takes
+PROGRESS_AFTER = 10  # seconds between progress lines: long work says how far it got, short work stays quiet
+
+
+class Progress:
+    """Called with the work done so far; prints `label: done/total unit after T, ETA T` at most
+    every PROGRESS_AFTER seconds."""
+
+    def __init__(self, label, total, unit="tokens"):
+        self.label, self.total, self.unit = label, total, unit
+        self.t0 = self.last = time.time()
+
+    def __call__(self, done):
+        if time.time() - self.last > PROGRESS_AFTER:
+            self.last, dt = time.time(), time.time() - self.t0
+            print(f"  {self.label}: {done:,}/{self.total:,} {self.unit} after {fmt_time(dt)}, "
+                  f"ETA {fmt_time(dt * (self.total - done) / max(done, 1))}", flush=True)
+
+
+def as_batch(model, ids):
+    """Token ids -> (1, n) on the model's device."""
+    return torch.as_tensor(np.asarray(ids), dtype=torch.long, device=next(model.parameters()).device)[None]
+
+
 def prefill(model, ids, state, segment, progress=None):
-    """Feed ids (a sequence of ints) through the model in segments; returns the last logits (1, 1, V)."""
-    x = torch.as_tensor(np.asarray(ids), dtype=torch.long)[None].to(next(model.parameters()).device)
-    t0, last = time.time(), time.time()
-    for s in range(0, len(ids), segment):
+    """Stream ids into the state, `segment` tokens a call -> the last position's logits (1, 1, V)."""
+    x = as_batch(model, ids)
+    for s in range(0, x.size(1), segment):
         logits, _ = model(x[:, s : s + segment], state=state)
-        if progress and time.time() - last > PROGRESS_AFTER:
-            done, dt = s + segment, time.time() - t0
-            progress(f"{done:,}/{len(ids):,} tokens, {done / dt:,.0f} tok/s, ETA {(len(ids) - done) * dt / done:.0f}s")
-            last = time.time()
+        if progress:
+            progress(min(s + segment, x.size(1)))
     return logits
 
 
+def answer_prompt(model, prompt, n, state, segment, progress=None):
+    """Prefill the prompt, decode n tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))]
+    per upper group: the picks that served the prompt's last token, which predicts the answer). The
+    picks are read before the last token goes in, which may close a chunk whose landmark picks anew:
+    so that token is left to model.generate, and the rest prefilled here, with progress."""
+    prefill(model, prompt[:-1], state, segment, progress)
+    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
+    out = model.generate(as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
+    return out[0].tolist(), picks
+
+
 def needle_chunk(prompt, answer, T):
-    """The chunk (of T text tokens) where the answer first appears in the prompt, i.e. the chunk
-    retrieval must bring back; None if the answer's tokens never appear as such."""
+    """The chunk (of T text tokens) where the answer first appears, which retrieval must bring back; or None."""
     at = occurrences(prompt, answer)
     return (at[0] + len(answer) // 2) // T if at else None  # a middle token: the chunk that holds most of it
 
 
 def in_reach(prompt, answer, T, reach):
-    """Whether the answer's last mention in the prompt lies within `reach` positions of the prompt's
-    last token, which predicts the answer: then the stacked windows can copy it and the prompt does
-    not test retrieval. Positions count the landmarks, one after every T text tokens (< reach, where
-    a window of W sees W-1 back: it errs toward calling a prompt in reach)."""
+    """Whether the answer's last mention lies within `reach` positions (landmarks counted, one per T
+    text tokens) of the prompt's last token: then the windows can copy it, and retrieval is not tested
+    (< reach, where a window of W sees W-1 back: it errs toward calling a prompt in reach)."""
     i = occurrences(prompt, answer)[-1] + len(answer) - 1
     return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
 
 
+def needle_picks(prompt, answer, picks, T):
+    """Retrieval's part in one answer -> (found: the needle's chunk, or the next one, whose memory saw
+    the needle through the lower windows, was picked with a weight > 0; hit@1: one of them got its
+    group's largest weight, in some upper group; their weight (Eq. 3), mean over the groups), or None
+    where retrieval cannot pick it: the needle in the last two chunks (chunk c reads what the landmark
+    of chunk c-1 picked among chunks < c-1). With several needles `found` passes a retriever that
+    picks every key's chunk whatever the name; hit@1 does not."""
+    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
+    if not picks or need is None or need >= last - 1:
+        return None
+    on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
+    found = any(bool(m.any()) for m in on_needle)
+    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on_needle))
+    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+
+
 def wilson(k, n, z=1.96):
-    """The Wilson score interval of k successes in n (95% at z=1.96): unlike p +- z*se it stays
-    inside [0, 1] and is not empty at 0/n or n/n, where small tests sit."""
+    """The Wilson score interval of k successes in n: unlike p +- z*se it stays inside [0, 1] and is
+    not empty at 0/n or n/n, where small tests sit."""
     p, d = k / n, 1 + z * z / n
     mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, mid - half), min(1.0, mid + half)  # at 0/n and n/n, exactly 0 and 1 give or take rounding
-
-
-def key_owner(needles, got, answer):
-    """The name whose key, in another needle than the asked one, the wrong answer `got` is, or None."""
-    owners = re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles))  # "of falcon is 71432.", "VAR XQZT = 71432."
-    return next((name for name, key in owners if key == got != answer), None)
-
-
-@torch.no_grad()
-def greedy(model, logits, state, n):
-    out = []
-    for _ in range(n):
-        nxt = logits[:, -1, : model.config.landmark_id].argmax(-1, keepdim=True)  # (1, 1)
-        out.append(nxt.item())
-        logits, _ = model(nxt, state=state)
-    return out
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def prompt_kwargs(args, cfg=None, depth=None):
-    """make_example's arguments for the test flags: the names, --keys, --template, --digits, and one
-    --depth bin ('reach' needs the model's config: the asked key just past the windows' reach)."""
+    """make_example's arguments for the test flags and one --depth bin."""
     kw = dict(names=UNSEEN_NAMES if args.unseen_names else NAMES, keys=args.keys, template=args.template,
               digits=args.digits)
     if depth == "reach":  # the fewest tokens that, landmarks counted, span the reach in positions
@@ -143,36 +197,14 @@ def prompt_seed(seed, task, L, i):
     return f"{seed}-{task}-{L}-{i}"
 
 
-def prompt_room(task, seed, enc, align=None, **kw):
-    """Tokens that the needles and question of the test prompt drawn with random.Random(seed)
-    take: the shortest length make_example accepts for it (with align, the shortest whose cut
-    prompt still fits). Only short lengths are tried, so no long filler is built; whether a
-    length fits grows with it (the needles are drawn first), so a bisection finds it."""
-    def fits(n):
-        try:
-            make_example(task, n, random.Random(seed), enc, align=align, **kw)
-            return True
-        except ValueError:  # too short for the needles and question
-            return False
-    lo, hi = 1, 64
-    while not fits(hi):
-        lo, hi = hi + 1, 2 * hi
-    while lo < hi:  # bisect: the smallest n in [lo, hi] that fits
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-    return lo
-
-
 def check_lengths(tasks, lengths, samples, seed, enc, align=None, **kw):
-    """Every test prompt must hold its needles and question: a length too short for the prompts
-    run_task will draw is an error now, before the model loads, naming the shortest that works."""
+    """A length too short for the prompts run_task will draw is an error now, naming the shortest that works."""
     for task in tasks:
-        # prompts differ by a few tokens (multikey: 62 to 69); no length below the longest of 64
-        # probes passes, so that whether a length passes does not hang on the luck of its seeds
-        floor = max(prompt_room(task, i, enc, align, **kw) for i in range(64))
+        # the longest of 64 probes: whether a length passes must not hang on the luck of its own seeds
+        floor = max(min_length(task, i, enc, align, **kw) for i in range(64))
 
-        def ok(L):  # every prompt run_task draws at length L fits
-            return L >= floor and all(prompt_room(task, prompt_seed(seed, task, L, i), enc, align, **kw) <= L
+        def ok(L):
+            return L >= floor and all(min_length(task, prompt_seed(seed, task, L, i), enc, align, **kw) <= L
                                       for i in range(samples))
 
         for L in lengths:
@@ -184,37 +216,22 @@ def check_lengths(tasks, lengths, samples, seed, enc, align=None, **kw):
                       f"use lengths of at least {fix}")
 
 
-def answer_prompt(model, prompt, n, state, segment, progress=None):
-    """Prefill `prompt` into the fresh state, then decode n tokens greedily -> (the tokens, the picks
-    [(chunk ids (K,), weights (K,))] per upper group that served the prompt's last token, which
-    predicts the answer's first)."""
-    prefill(model, prompt[:-1], state, segment, progress)
-    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]  # StreamState
-    logits = prefill(model, prompt[-1:], state, segment)
-    return greedy(model, logits, state, n), picks
-
-
-def needle_picks(prompt, answer, picks, T):
-    """Retrieval diagnosis of one prompt: was the needle's chunk (or the next one, whose memory saw
-    the needle through the lower layers' window) among the picks serving the answer? -> (found, hit@1:
-    did one of them get the largest weight among its group's picks (in any upper group), the weight
-    the needle's chunks got), or None where retrieval could not pick it (the needle in the last two
-    chunks: chunk c reads what the landmark of chunk c-1 picked among chunks < c-1). With several
-    needles, `found` passes a retriever that picks every key chunk whatever the name; hit@1 does not.
-    picks: [(chunk ids (K,), weights (K,))] per upper group; T: text tokens per chunk."""
-    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
-    if not picks or need is None or need >= last - 1:
-        return None
-    on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
-    found = any(bool(m.any()) for m in on_needle)
-    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on_needle))
-    # the weight (Eq. 3) the needle's chunks get, mean over the upper groups: GCA mixes the picked
-    # chunks' outputs by it, so other chunks that hold an answer dilute this one
-    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+def check_memory(model, L, args):
+    """Refuse a length whose chunk memory (2*d*bytes per text token x S/(S-1): in host memory with
+    --offload or on a CPU, else on the GPU) cannot fit, before it runs for hours."""
+    cfg, device = model.config, next(model.parameters()).device
+    on_gpu = device.type == "cuda" and not args.offload
+    size = 2 if device.type == "cuda" and args.dtype != "float32" else 4  # autocast on CUDA alone
+    need = L * 2 * cfg.n_embd * size * cfg.chunk_size / (cfg.chunk_size - 1)
+    free = torch.cuda.mem_get_info(device)[0] if on_gpu else common.available_mem()
+    if free is not None and need > free:
+        error(f"--lengths: a {fmt_len(L)}-token prompt holds {need / 1e9:.2f} GB of chunk keys/values in "
+              f"{'GPU' if on_gpu else 'host'} memory, and {free / 1e9:.2f} GB are available: use shorter lengths"
+              + (" or --offload (host memory)" if on_gpu else ""))
 
 
 def describe(task, args, depth):
-    """The test variant, for the table's title: the flags that change the prompts."""
+    """The flags that change the prompts, for the table's title."""
     parts = [(f"{args.keys} keys", task == "multikey"), (f"template {args.template}", args.template != "key"),
              (f"{args.digits}-digit numbers", args.digits != 5),
              (f"the asked needle at depth {depth}", depth not in (None, "reach")),
@@ -225,7 +242,7 @@ def describe(task, args, depth):
 
 @torch.no_grad()
 def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
-    """Accuracy of `task` at each context length; prints one table row per length. depth: one --depth bin."""
+    """Accuracy of `task` at each context length, one table row per length. depth: one --depth bin."""
     device, cfg = next(model.parameters()).device, model.config
     align = None if args.no_align else cfg.chunk_size - 1
     kw, T, reach = prompt_kwargs(args, cfg, depth), cfg.chunk_size - 1, window_reach(cfg)
@@ -242,11 +259,10 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             torch.cuda.reset_peak_memory_stats()
         correct, near, t0, kv, eligible, found, top, weight = 0, 0, time.time(), 0, 0, 0, 0, 0.0
         for i in range(args.samples):
-            seed = prompt_seed(args.seed, task, L, i)  # same prompts for every model and run
+            seed = prompt_seed(args.seed, task, L, i)
             prompt, answer = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
             state = model.new_state(offload=args.offload)
-            progress = None if L < 2**18 else (  # long prefills say how far they are
-                lambda msg, i=i: print(f"  {fmt_len(L)} sample {i + 1}/{args.samples}: {msg}", flush=True))
+            progress = Progress(f"{fmt_len(L)} sample {i + 1}/{args.samples}", len(prompt) - 1)
             with ctx:
                 out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress)
             hit = score(out, answer, enc)
@@ -264,110 +280,79 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
                 eligible, found, top, weight = eligible + 1, found + got[0], top + got[1], weight + got[2]
             kv = state.store.nbytes()
             del state  # before the next sample allocates its own memory
-        dt = (time.time() - t0) / args.samples
-        gpu = peak_mem_gib(device) if device.type == "cuda" else float("nan")
         lo, hi = wilson(correct, args.samples)
         acc = f"{correct / args.samples:.1%} [{100 * lo:.0f}-{100 * hi:.0f}]"
-        hits, tops, share = ((f"{found}/{eligible}", f"{top}/{eligible}", f"{weight / eligible:.2f}") if eligible
+        tops, hits, share = ((f"{top}/{eligible}", f"{found}/{eligible}", f"{weight / eligible:.2f}") if eligible
                              else ("-", "-", "-"))
-        gpu_col = f"{gpu:>8.2f}G" if gpu == gpu else f"{'-':>9}"  # no GPU: nan
-        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {tops:>7} {hits:>9} {share:>8} {dt:>9.2f} "
-              f"{gpu_col} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
+        gpu = f"{peak_mem_gib(device):>8.2f}G" if device.type == "cuda" else f"{'-':>9}"
+        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {tops:>7} {hits:>9} {share:>8} "
+              f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
-LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
-MAX_LENGTH = 2**26  # 64M tokens: the longest --lengths takes (--help says so)
-COPY_SPAN = 100  # tokens per span of the copying test (less where the window is shorter)
+# -----------------------------------------------------------------------------
+# In-context copying (--copying): is a span predicted better once seen, near and past the reach?
 
 
 def copy_span(cfg):
-    """Tokens per span of the copying test: COPY_SPAN, or fewer, so that each repeat lies within
-    the self-attention window (the window counts landmarks: W positions hold W*(S-1)/S tokens)."""
-    return min(COPY_SPAN, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
+    """Tokens per near span: 100, or fewer, so that each repeat lies within the window (which
+    counts landmarks: W positions hold W*(S-1)/S tokens)."""
+    return min(100, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
 
 
 def copy_far_span(cfg):
-    """Tokens in a far span of the copying test: the windows' reach in positions, plus 8, so that
-    (landmarks taking room too) no chain of windows reaches from a token back to its earlier
-    occurrence: only retrieval can copy it. The far copy rows of train.py's stage 1 (tasks.copy_row)
-    are spans of this kind."""
+    """Tokens per far span, as in train.py's far copy rows: the windows' reach in positions plus 8,
+    so that (landmarks taking room too) no chain of windows reaches back: only retrieval can copy it."""
     return window_reach(cfg) + 8
 
 
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
-    """In-context copying (induction), which answering by a name (multi-key, 2-hop) builds on.
-    Near: spans seen three times in a row, within the window; the mean loss on each pass. Far: a
-    span longer than the stacked windows' reach, seen twice; the loss on its second pass, whose
-    copy must come through retrieval and GCA. A model that copies predicts the repeats far better
-    than pass 1; passkey can be learned without it (one fixed pattern: the number after "pass key
-    is"). Returns {span kind: [pass 1, 2, 3, far pass 1, far pass 2]}."""
+    """Induction, which answering by a name (multi-key, 2-hop) builds on: the mean loss on each pass
+    of spans seen three times in a row within the window, and of spans past the windows' reach seen
+    twice, whose copy must come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
     device, cfg = next(model.parameters()).device, model.config
     L, L_far = copy_span(cfg), copy_far_span(cfg)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
-
-    def random_rows(k):  # (n, k) uniform over GPT-2's ids
-        return np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])
-
-    def book_rows(k):  # (n, k) spans of the haystack's books
-        return np.stack([haystack.sample(k, rng) for _ in range(n)])
-
-    kinds = {"random tokens": random_rows} | ({"book text": book_rows} if haystack is not None else {})
+    kinds = {"random tokens": lambda k: np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])}
+    if haystack is not None:
+        kinds["book text"] = lambda k: np.stack([haystack.sample(k, rng) for _ in range(n)])  # (n, k)
     print(f"\ncopying, retrieval {model.config.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
           f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach); mean loss "
           f"per pass (without a pass's first token, which no earlier occurrence predicts)")
     header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8}"
     print(header + "\n" + "-" * len(header))
 
-    t0 = time.time()
-
-    def pass_losses(name, span, passes, starts):  # span (n, k) repeated `passes` times -> mean loss after each start
+    def pass_losses(name, span, passes):  # span (n, k) seen `passes` times in a row -> the mean loss of each pass
         x = torch.from_numpy(np.tile(span, passes)).to(device)  # (n, passes * k)
         k, out = span.shape[1], []
-        for s in starts:  # the loss on tokens s+1 .. s+k-1 alone, never holding (n, passes * k, vocab) logits
+        progress = Progress(f"{name}, {k}-token spans", passes, "passes")
+        for s in range(0, passes * k, k):  # one pass's targets at a time: never (n, passes * k, vocab) logits
             y = torch.full_like(x[:, 1:], -1)
             y[:, s : s + k - 1] = x[:, s + 1 : s + k]
             with ctx:
                 out.append(model(x[:, :-1], y, return_logits=False)[1].item())
-            if time.time() - t0 > PROGRESS_AFTER:  # a big model on a CPU: show it is alive
-                print(f"  {name}: {k}-token spans, pass {len(out)} of {len(starts)} done after {time.time() - t0:.0f}s",
-                      flush=True)
+            progress(len(out))
         return out
 
     losses = {}
     for name, rows in kinds.items():
-        losses[name] = pass_losses(name, rows(L), 3, [0, L, 2 * L]) + pass_losses(name, rows(L_far), 2, [0, L_far])
+        losses[name] = pass_losses(name, rows(L), 3) + pass_losses(name, rows(L_far), 2)
         print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
 
 
-def check_memory(model, L, args):
-    """Refuse a length whose chunk memory cannot fit before it runs for hours: the keys and values
-    of every chunk, 2*d*bytes per text token x S/(S-1), in host memory with --offload or on a
-    CPU, else on the GPU; one prompt at a time."""
-    cfg, device = model.config, next(model.parameters()).device
-    on_gpu = device.type == "cuda" and not args.offload
-    size = 2 if device.type == "cuda" and args.dtype != "float32" else 4  # autocast on CUDA alone
-    need = L * 2 * cfg.n_embd * size * cfg.chunk_size / (cfg.chunk_size - 1)
-    free = torch.cuda.mem_get_info(device)[0] if on_gpu else common.available_mem()
-    if free is not None and need > free:
-        where = "GPU" if on_gpu else "host"
-        error(f"--lengths: a {fmt_len(L)}-token prompt holds {need / 1e9:.2f} GB of chunk keys/values in {where} "
-              f"memory, and {free / 1e9:.2f} GB are available: use shorter lengths"
-              + (" or --offload (host memory)" if on_gpu else ""))
-
-
 # -----------------------------------------------------------------------------
-# Language modelling over long documents: the loss by position, and what was retrieved
+# Language modelling over long documents: the loss by position (--ppl) and what was retrieved
+# (--inspect, §4.4)
 
 
 BUCKETS = [0, 2**10, 2**12, 2**14, 2**16, 2**18, 2**20]  # position buckets 0-1K, 1K-4K, ..., 256K-1M, 1M+
-PPL_SEGMENT = 16384  # --ppl holds one segment's (segment, vocab) logits at a time: 3.3 GB in fp32 at GPT-2's vocabulary
+PPL_SEGMENT = 16384  # --ppl holds one segment's (segment, vocab) logits at a time
 
 
 def read_docs(path, enc, max_tokens=None):
-    """--docs: [(name, token ids)]: each .txt of a folder, one .txt, or a .bin of prepare_pg19.py
-    cut at its <|endoftext|> tokens; each document at most max_tokens long."""
+    """--docs -> [(name, token ids)], each at most max_tokens long: the .txt of a folder, one .txt,
+    or a .bin of prepare_pg19.py cut at its <|endoftext|> tokens."""
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
         if not files:
@@ -392,26 +377,24 @@ def read_docs(path, enc, max_tokens=None):
 
 
 @torch.no_grad()
-def doc_nll(model, ids, args, ctx):
-    """The loss of every token of one document streamed from its start through a StreamState, in
-    segments, as the long-context tests stream their prompts: (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
-    device = next(model.parameters()).device
-    x = torch.as_tensor(ids, dtype=torch.long, device=device)[None]  # (1, n)
-    state, seg, nll, t0 = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), [], time.time()
+def doc_nll(model, ids, args, ctx, name="document"):
+    """The loss of every token of a document streamed from its start in segments, as the tests
+    stream their prompts -> (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
+    x = as_batch(model, ids)  # (1, n)
+    state, seg, nll = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), []
+    progress = Progress(name, x.size(1) - 1)
     for s in range(0, x.size(1) - 1, seg):
         y = x[:, s + 1 : s + seg + 1]  # (1, L) the next tokens
         with ctx:
             logits, _ = model(x[:, s : s + y.size(1)], y, state=state)  # (1, L, V)
         nll.append(F.cross_entropy(logits[0].float(), y[0], reduction="none"))
-        if x.size(1) > 2**18 and time.time() - t0 > 10:
-            print(f"  {s + y.size(1):,}/{x.size(1) - 1:,} tokens, {(s + y.size(1)) / (time.time() - t0):,.0f} tok/s",
-                  flush=True)
+        progress(s + y.size(1))
     return torch.cat(nll).cpu()
 
 
 def perplexity(model, docs, modes, args, ctx):
-    """--ppl: the mean loss and perplexity per position bucket over docs, for each retrieval mode,
-    and the retrieval statistics (model.retrieval_stats) beside. -> {mode: [(tokens, mean loss) per bucket]}."""
+    """--ppl: perplexity per position bucket for each retrieval mode, and model.retrieval_stats
+    -> {mode: [(tokens, mean loss) per bucket, then over all]}."""
     n_tok = sum(len(d) - 1 for _, d in docs)
     print(f"\nperplexity by position: {len(docs)} document(s), {n_tok:,} tokens, each streamed from its first token "
           f"in segments of {min(args.segment, PPL_SEGMENT):,}")
@@ -419,8 +402,8 @@ def perplexity(model, docs, modes, args, ctx):
     for mode in modes:
         model.config.retriever, model.record = mode, []
         sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
-        for _, ids in docs:
-            nll = doc_nll(model, ids, args, ctx).double()
+        for name, ids in docs:
+            nll = doc_nll(model, ids, args, ctx, name).double()
             bucket = torch.bucketize(torch.arange(1, len(ids)), torch.tensor(BUCKETS), right=True) - 1  # of the predicted token
             sums.index_add_(0, bucket, nll)
             counts += torch.bincount(bucket, minlength=len(BUCKETS))
@@ -431,10 +414,9 @@ def perplexity(model, docs, modes, args, ctx):
     names = [f"{fmt_len(a)}-{fmt_len(b)}" for a, b in zip(BUCKETS, BUCKETS[1:])] + [f"{fmt_len(BUCKETS[-1])}+", "all"]
     header = f"{'positions':>10} {'tokens':>10} " + " ".join(f"{'ppl ' + m:>12}" for m in modes)
     print(header + "\n" + "-" * len(header))
-    for b, name in enumerate(names):
-        n = table[modes[0]][b][0]
-        if n:
-            print(f"{name:>10} {n:>10,} " + " ".join(f"{math.exp(table[m][b][1]):>12.2f}" for m in modes))
+    for b, bucket in enumerate(names):
+        if (n := table[modes[0]][b][0]):
+            print(f"{bucket:>10} {n:>10,} " + " ".join(f"{math.exp(table[m][b][1]):>12.2f}" for m in modes))
     for m, st in stats.items():
         if st:
             print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
@@ -444,9 +426,9 @@ def perplexity(model, docs, modes, args, ctx):
 
 @torch.no_grad()
 def inspect(model, enc, docs, at, args, ctx):
-    """--inspect: the paper's case studies (§4.4): for the chunk holding token `at` of the first
-    document, the chunks each group retrieved for it (at the landmark of the chunk before), as text,
-    with their weights and distances. -> [(group, [(chunk, weight)] by weight)]."""
+    """--inspect, the paper's case studies: for the chunk holding token `at` of the first document,
+    the chunks each group retrieved for it (at the landmark of the chunk before), as text, with their
+    weights and distances -> [(group, [(chunk, weight)] by weight)]."""
     name, ids = docs[0]
     T = model.config.chunk_size - 1
     c = min(at, len(ids) - 1) // T  # the chunk being predicted
@@ -467,12 +449,15 @@ def inspect(model, enc, docs, at, args, ctx):
     return out
 
 
+# -----------------------------------------------------------------------------
+# The command line: every argument checked before the checkpoint loads, which can take minutes
+
+
 def check_args(args):
-    """The arguments that need no file or tokenizer, checked first."""
+    """The arguments that need no file or tokenizer."""
     for name in ("segment", "samples", "num_samples", "max_new_tokens"):
         if getattr(args, name) < 1:
-            flag = "samples_per_length" if name == "samples" else name
-            error(f"--{flag}={getattr(args, name)}: must be >= 1")
+            error(f"--{'samples_per_length' if name == 'samples' else name}={getattr(args, name)}: must be >= 1")
     if not args.temperature >= 0:
         error(f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)")
     if args.top_k < 0:
@@ -500,8 +485,7 @@ def check_args(args):
         error("--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)")
     if args.max_tokens is not None and args.max_tokens < 2:
         error(f"--max_tokens={args.max_tokens}: must be >= 2")
-    modes = (args.retrieval or "learned").split(",")
-    if any(m not in ("learned", "random", "none") for m in modes):
+    if any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")):
         error(f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")
     if device.type == "cpu" and args.dtype != "float32":
         error(f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype")
@@ -511,7 +495,7 @@ def check_args(args):
 
 
 def depth_bins(text):
-    """--depth: [None] (the needles at random depths), or the bins of a comma list of fractions and 'reach'."""
+    """--depth -> [None] (the needles at random depths), or its bins: fractions and 'reach'."""
     if text is None:
         return [None]
     try:
@@ -521,20 +505,6 @@ def depth_bins(text):
     if not all(b == "reach" or 0 <= b <= 1 for b in bins):
         error(f"--depth={text}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9")
     return bins
-
-
-def read_prompt(prompt):
-    """The prompt text, read from a file for FILE:path."""
-    if not prompt.startswith("FILE:"):
-        return prompt
-    path = prompt[5:]
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        error(f"--prompt=FILE:{path}: cannot read it ({e.strerror}): give an existing text file, or the text itself")
-    except UnicodeDecodeError:
-        error(f"--prompt=FILE:{path}: not UTF-8 text: give a text file, or the text itself")
 
 
 def load_haystack(path, enc):
@@ -550,72 +520,55 @@ def load_haystack(path, enc):
 
 
 def arg_parser():
-    p = argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests "
-                                "(--passkey, --multikey, --vartrack, --copying).",
+    p = argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out_dir", default="out", help="folder with ckpt.pt from train.py")
     p.add_argument("--ckpt", default=None, help="path to a checkpoint file (overrides --out_dir)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda, cuda:1, ... (default: %(default)s here; cuda where there is a GPU)")
+                   help="cpu, cuda, cuda:1, ... (default: %(default)s here, cuda where there is a GPU)")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
                    choices=["float32", "bfloat16", "float16"],
-                   help="autocast dtype on CUDA (default: %(default)s here; bfloat16 where there is a GPU)")
+                   help="autocast dtype on CUDA (default: %(default)s here, bfloat16 where there is a GPU)")
     p.add_argument("--seed", type=int, default=1337, help="random seed (sampling and test prompts)")
     p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (None: env DRT_GPT2_RANKS or download)")
     p.add_argument("--segment", type=int, default=65536, help="prefill segment in tokens (memory vs speed)")
     p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
     gen = p.add_argument_group("generation (without a test flag)")
-    gen.add_argument("--prompt", default="\n",
-                     help="prompt text, or FILE:path to read it from a file (default: %(default)r)")
-    gen.add_argument("--num_samples", type=int, default=1,
-                     help="generations to draw from the prompt (the tests count prompts with --samples_per_length)")
+    gen.add_argument("--prompt", default="\n", help="prompt text, or FILE:path to read it from (default: %(default)r)")
+    gen.add_argument("--num_samples", type=int, default=1, help="generations to draw from the prompt")
     gen.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per generation")
     gen.add_argument("--temperature", type=float, default=0.8, help="1.0 = as trained, < 1 sharper, 0 = greedy")
-    gen.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens only; 0 = all tokens")
+    gen.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens only; 0 = all")
     test = p.add_argument_group("long-context tests (accuracy per length, one table per test)")
     test.add_argument("--passkey", action="store_true", help="passkey retrieval: one 5-digit key hidden in filler")
     test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
-    test.add_argument("--vartrack", action="store_true",
-                      help="2-hop variable tracking: VAR X = value ... VAR Y = X, beside a second chain")
-    test.add_argument("--copying", action="store_true",
-                      help="in-context copying: the loss on spans seen 1, 2, 3 times in the window, and on "
-                           "the repeat of a span longer than the windows' reach (book text too with --haystack)")
+    test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X")
+    test.add_argument("--copying", action="store_true", help="in-context copying: the loss on spans seen 1-3 times "
+                      "in the window, and on a repeat past the windows' reach")
     test.add_argument("--lengths", default=LENGTHS, help="context lengths in tokens (up to 64M)")
-    # dest "samples": run_task reads args.samples
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
-                      help="test prompts per length and test (not --num_samples, which counts generations)")
+                      help="test prompts per length and test")
     test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS,
                       help=argparse.SUPPRESS)  # the old name, hidden
     test.add_argument("--unseen_names", action="store_true",
-                      help="multi-key asks for a second list of names (tasks.UNSEEN_NAMES), in no training "
-                      "prompt: tells a model trained on tasks.NAMES (--task_names=twenty) matching names from "
-                      "having learned those twenty")
-    test.add_argument("--show_misses", action="store_true", help="print each wrong answer next to the right one "
-                      "(and whose key it is where another needle's)")
-    test.add_argument("--keys", type=int, default=4, help="multi-key: needles in each prompt (2-16); above the "
-                      "model's top-k, a retriever blind to the name cannot serve them all")
-    test.add_argument("--depth", default=None, help="where the asked needle lies: fractions of the filler (0.1,0.5,0.9: "
-                      "a table each), or 'reach': its key just past the stacked windows' reach of the question "
-                      "(None: every needle at a random depth)")
-    test.add_argument("--template", default="key", help=f"passkey's and multi-key's phrasing: {', '.join(TEMPLATES)} "
-                      "('code', 'The secret code for <name> is ...', is in none of the recipe's training prompts)")
+                      help="multi-key names from tasks.UNSEEN_NAMES, which no training prompt holds")
+    test.add_argument("--show_misses", action="store_true", help="print each wrong answer beside the right one")
+    test.add_argument("--keys", type=int, default=4, help="multi-key: needles in each prompt (2-16)")
+    test.add_argument("--depth", default=None, help="where the asked needle lies: fractions of the filler "
+                      "(0.1,0.5,0.9: a table each), or 'reach': just past the windows' reach (None: random)")
+    test.add_argument("--template", default="key", help=f"passkey's and multi-key's phrasing: {', '.join(TEMPLATES)}")
     test.add_argument("--digits", type=int, default=5, help="digits of every key (3-7)")
     test.add_argument("--no_align", action="store_true",
-                      help="do not cut prompts so that the question's last token opens a chunk (the default "
-                      "format, as in training: then the landmark before the answer has read the question)")
-    test.add_argument("--retrieval", default=None,
-                      help="learned, random (uniformly random earlier chunks, weighted by Eq. 3) or none (weights 0: "
-                      "the window alone), or a comma list, each run in turn (None: as trained)")
-    test.add_argument("--haystack", default=None,
-                      help="real text as filler: a folder of .txt books or a .bin from prepare_pg19.py "
-                      "(None: a repeated 'The grass is green.' filler)")
+                      help="do not cut prompts so that the question's last token opens a chunk (as in training)")
+    test.add_argument("--retrieval", default=None, help="learned, random, none (weights 0: the window alone), or "
+                      "a comma list, each run in turn (None: as trained)")
+    test.add_argument("--haystack", default=None, help="real text as filler: a folder of .txt books or a .bin "
+                      "from prepare_pg19.py (None: repeated sentences)")
     lm = p.add_argument_group("language modelling over long documents")
-    lm.add_argument("--ppl", action="store_true", help="perplexity by position over --docs, each document streamed "
-                    f"from its first token in segments (of at most {PPL_SEGMENT:,} tokens)")
+    lm.add_argument("--ppl", action="store_true", help="perplexity by position over --docs")
     lm.add_argument("--inspect", action="store_true",
                     help="print what each group retrieved for the chunk at token --at of the first --docs document")
-    lm.add_argument("--docs", default=None,
-                    help="a folder of .txt (one document each), one .txt, or a .bin of prepare_pg19.py (its books)")
+    lm.add_argument("--docs", default=None, help="a folder of .txt, one .txt, or a .bin of prepare_pg19.py")
     lm.add_argument("--max_tokens", type=int, default=None, help="--ppl: the first N tokens of each document only")
     lm.add_argument("--at", type=int, default=4096, help="--inspect: the token whose chunk to show")
     return p
@@ -623,7 +576,6 @@ def arg_parser():
 
 def main(argv=None):
     args = arg_parser().parse_args(argv)
-    # every argument is checked before the checkpoint loads, which can take minutes
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
     testing = tasks or args.copying or args.ppl or args.inspect
@@ -632,7 +584,6 @@ def main(argv=None):
         enc = get_tokenizer(args.tokenizer_file)
     except (OSError, RuntimeError, ValueError) as e:
         error(e)
-    haystack = None
     if tasks:
         try:
             lengths = parse_lengths(args.lengths)
@@ -642,48 +593,37 @@ def main(argv=None):
             error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
                   f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
         check_lengths(tasks, lengths, args.samples, args.seed, enc, **prompt_kwargs(args))
-    if (tasks or args.copying) and args.haystack:
-        haystack = load_haystack(args.haystack, enc)  # once, for every test
+    haystack = load_haystack(args.haystack, enc) if (tasks or args.copying) and args.haystack else None
     docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None
 
     torch.manual_seed(args.seed)
-    model, ckpt = load_checkpoint(args.ckpt or args.out_dir, args.device)
+    model, ckpt = load_model(args.ckpt or args.out_dir, args.device)
+    cfg = model.config
     print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): "
-          f"{model.num_params() / 1e6:.1f}M parameters, {model.config}")
-    device_type = "cuda" if "cuda" in args.device else "cpu"
-    dtype = getattr(torch, args.dtype)
-    ctx = torch.autocast(device_type, dtype=dtype) if device_type == "cuda" and dtype != torch.float32 else nullcontext()
+          f"{model.num_params() / 1e6:.1f}M parameters, {cfg}")
+    cuda, dtype = torch.device(args.device).type == "cuda", getattr(torch, args.dtype)
+    ctx = torch.autocast("cuda", dtype=dtype) if cuda and dtype != torch.float32 else nullcontext()
+    if not testing:
+        return generate(model, enc, prompt, args, ctx)
 
-    if testing:
-        if tasks:
-            check_memory(model, max(lengths), args)
-        depths, cfg = depth_bins(args.depth), model.config
-        if tasks and (not args.no_align or "reach" in depths):  # aligned prompts are up to chunk_size-2 tokens
-            # shorter, and a key past the reach needs room the model's reach sets: check again
+    depths = depth_bins(args.depth)
+    if tasks:
+        check_memory(model, max(lengths), args)
+        if not args.no_align or "reach" in depths:  # aligned prompts are shorter, a key past the reach longer
             check_lengths(tasks, lengths, args.samples, args.seed, enc, None if args.no_align else cfg.chunk_size - 1,
                           **prompt_kwargs(args, cfg, "reach" if "reach" in depths else None))
-        modes = args.retrieval.split(",") if args.retrieval else [model.config.retriever]
-        if args.ppl:
-            perplexity(model, docs, modes, args, ctx)
-        for mode in modes:
-            model.config.retriever = mode
-            if args.inspect:
-                inspect(model, enc, docs, args.at, args, ctx)
-            if args.copying:
-                copy_test(model, args, ctx, haystack)
-            for task in tasks:
-                for depth in depths:
-                    run_task(model, enc, task, lengths, args, ctx, haystack, depth)
-        return
-
-    ids = enc.encode_ordinary(prompt) or [enc.eot_token]
-    x = torch.tensor([ids], dtype=torch.long, device=args.device)
-    for _ in range(args.num_samples):
-        with ctx:
-            out = model.generate(x, args.max_new_tokens, args.temperature, args.top_k or None,  # 0: no top-k
-                                 state=model.new_state(offload=args.offload), prefill_segment=args.segment)
-        print(prompt[-500:] + enc.decode(out[0].tolist()))
-        print("-" * 40, flush=True)
+    modes = args.retrieval.split(",") if args.retrieval else [cfg.retriever]
+    if args.ppl:
+        perplexity(model, docs, modes, args, ctx)
+    for mode in modes:
+        cfg.retriever = mode
+        if args.inspect:
+            inspect(model, enc, docs, args.at, args, ctx)
+        if args.copying:
+            copy_test(model, args, ctx, haystack)
+        for task in tasks:
+            for depth in depths:
+                run_task(model, enc, task, lengths, args, ctx, haystack, depth)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,12 @@ def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=
     raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
 
 
+def key_owner(needles, got, answer):
+    """The name whose key, in another needle than the asked one, the wrong answer `got` is, or None."""
+    owners = re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles))  # "of falcon is 71432.", "VAR XQZT = 71432."
+    return next((name for name, key in owners if key == got != answer), None)
+
+
 def occurrences(ids, answer):
     """Where the answer's tokens (a list) start in ids, in order."""
     ids, n = np.asarray(ids), len(answer)
@@ -192,6 +198,25 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
         parts += [fill[last : cuts[i]], needles[i]]
         last = cuts[i]
     return np.concatenate(parts + [fill[last:], question]), answer
+
+
+def min_length(task, seed, enc, align=None, **kw):
+    """The shortest length make_example accepts for the prompt it draws with random.Random(seed)
+    (kw: its arguments). Whether a length fits grows with it, the needles being drawn first, so a
+    bisection finds it without building any long filler."""
+    def fits(n):
+        try:
+            make_example(task, n, random.Random(seed), enc, align=align, **kw)
+            return True
+        except ValueError:  # too short for the needles and question
+            return False
+    lo, hi = 1, 64
+    while not fits(hi):
+        lo, hi = hi + 1, 2 * hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, answer_only=False,

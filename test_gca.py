@@ -1797,15 +1797,14 @@ def test_key_owner():
     other chain's variable in 2-hop, none for the asked key or a number in no needle."""
     import random
 
-    import sample
     import tasks
     for task, template in [("multikey", "key"), ("multikey", "code"), ("multikey", "id"), ("vartrack", "key")]:
         needles, _, answer, _ = tasks.needles_and_question(task, random.Random(1), template=template)
         answer = answer.strip()
         owners = dict((k, n) for n, k in re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles)))
         other = next(k for k in owners if k != answer)
-        assert sample.key_owner(needles, other, answer) == owners[other] and owners[other] in "".join(needles)
-        assert sample.key_owner(needles, answer, answer) is None and sample.key_owner(needles, "7", answer) is None
+        assert tasks.key_owner(needles, other, answer) == owners[other] and owners[other] in "".join(needles)
+        assert tasks.key_owner(needles, answer, answer) is None and tasks.key_owner(needles, "7", answer) is None
 
 
 def test_harness_depth_and_reach(tmp_path, monkeypatch, capsys):
@@ -1939,7 +1938,7 @@ def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
     with Largest() as largest:
         sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=4", "--device=cpu"])
     assert largest.numel <= 64 * 50304 < 4 * 527 * 50304 // 8
-    assert len(re.findall(r"^  random tokens: \d+-token spans, pass \d of \d done after \d+s$",
+    assert len(re.findall(r"^  random tokens, \d+-token spans: \d/\d passes after \d+m\d\ds, ETA \d+m\d\ds$",
                           capsys.readouterr().out, re.M)) == 5  # 3 near passes, 2 far
 
 
@@ -2014,7 +2013,7 @@ def test_ppl_by_position(tmp_path, monkeypatch, capsys):
     np.concatenate([books[0], [prepare_pg19.EOT], books[1], [prepare_pg19.EOT]]).astype(np.uint16).tofile(tmp_path / "t.bin")
     docs = sample.read_docs(str(tmp_path / "t.bin"), enc=None)
     assert [len(d) for _, d in docs] == [1500, 300] and all(np.array_equal(d, b) for (_, d), b in zip(docs, books))
-    model, _ = sample.load_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64), "cpu")
+    model, _ = sample.load_model(tiny_checkpoint(tmp_path / "ckpt.pt", window=64), "cpu")
     args, ctx = SimpleNamespace(segment=100, offload=False), torch.autocast("cpu", enabled=False)
     whole = sample.doc_nll(model, docs[0][1], SimpleNamespace(segment=10**6, offload=False), ctx)
     assert whole.shape == (1499,) and torch.allclose(sample.doc_nll(model, docs[0][1], args, ctx), whole, atol=1e-4)
@@ -2035,7 +2034,7 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
     from types import SimpleNamespace
 
     import sample
-    model, _ = sample.load_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1)), "cpu")
+    model, _ = sample.load_model(tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1)), "cpu")
     ids = np.random.default_rng(1).integers(0, 50257, 1200)
     enc = SimpleNamespace(decode=lambda t: " ".join(map(str, t)))  # no tokenizer needed
     args = SimpleNamespace(offload=False, segment=256)
