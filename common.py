@@ -1,6 +1,6 @@
 """
 Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
-formatting, the --lengths parser, a GPU's peak FLOP/s (for MFU) and peak memory, the check that an
+formatting, the --lengths parser, GPT-2's tokenizer, a GPU's peak FLOP/s (for MFU) and peak memory, the check that an
 output folder is writable, the checkpoint loader. Not run on its own.
 
     from common import fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, unwritable
@@ -20,6 +20,41 @@ import numpy as np
 
 # dense bf16 tensor-core peak FLOP/s by device name (the first key found in the name wins: PCIe first)
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
+
+
+# GPT-2's tokenizer, the one home of the ids every script uses
+EOT = 50256          # <|endoftext|>, appended after every book
+GPT2_VOCAB = 50257   # fits uint16, so a token costs 2 bytes on disk
+# GPT-2's 50,257-token BPE is tiktoken's r50k_base; its ranks file is all an offline machine needs
+RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+RANKS_HELP = (f"GPT-2's BPE ranks file is tiktoken's r50k_base.tiktoken ({RANKS_URL}): download it on a "
+              f"machine with internet and set DRT_GPT2_RANKS=/path/to/it or pass --tokenizer_file")
+
+
+def get_tokenizer(ranks_file=None):
+    """GPT-2 BPE as a tiktoken Encoding. A local ranks file (argument, or env
+    DRT_GPT2_RANKS) is used without touching the network; otherwise tiktoken
+    downloads its 'gpt2' files (and caches them)."""
+    import tiktoken
+    path = ranks_file or os.environ.get("DRT_GPT2_RANKS")
+    if path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GPT-2 ranks file {path} not found (from --tokenizer_file or DRT_GPT2_RANKS); "
+                                    f"{RANKS_HELP}")
+        from tiktoken.load import load_tiktoken_bpe
+        from tiktoken_ext.openai_public import r50k_pat_str
+        try:
+            return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str,
+                                     mergeable_ranks=load_tiktoken_bpe(path),
+                                     special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=GPT2_VOCAB)
+        except (ValueError, AssertionError):  # not base64 ranks, or not GPT-2's 50,257 of them
+            raise ValueError(f"GPT-2 ranks file {path} (from --tokenizer_file or DRT_GPT2_RANKS) is not a "
+                             f"tiktoken ranks file of GPT-2's BPE; {RANKS_HELP}") from None
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # requests/urllib errors, whichever tiktoken used
+        raise RuntimeError(f"could not load tiktoken's 'gpt2' encoding ({type(e).__name__}: {e}). "
+                           f"Offline? {RANKS_HELP}") from e
 
 
 def fmt_time(s):

@@ -42,48 +42,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
-from common import fmt_time, unwritable
+from common import EOT, GPT2_VOCAB, RANKS_URL, fmt_time, get_tokenizer, unwritable  # noqa: F401 (re-exported)
 
-EOT = 50256          # <|endoftext|>, appended after every book
-GPT2_VOCAB = 50257   # fits uint16, so a token costs 2 bytes on disk
 SPLITS = {"train": "train", "validation": "val", "test": "test"}  # PG19 folder -> output name
 BUCKET_API = "https://storage.googleapis.com/storage/v1/b/deepmind-gutenberg/o"
 BUCKET_URL = "https://storage.googleapis.com/deepmind-gutenberg"
-# GPT-2's 50,257-token BPE is tiktoken's r50k_base; its ranks file is all an offline machine needs
-RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
-RANKS_HELP = (f"GPT-2's BPE ranks file is tiktoken's r50k_base.tiktoken ({RANKS_URL}): download it on a "
-              f"machine with internet and set DRT_GPT2_RANKS=/path/to/it or pass --tokenizer_file")
 
 def _print(msg):
     print(msg, flush=True)  # flush: progress must show up in logs and under nohup/tee
-
-# -----------------------------------------------------------------------------
-# tokenizer (train.py and sample.py import this, so importing this file stays cheap)
-
-def get_tokenizer(ranks_file=None):
-    """GPT-2 BPE as a tiktoken Encoding. A local ranks file (argument, or env
-    DRT_GPT2_RANKS) is used without touching the network; otherwise tiktoken
-    downloads its 'gpt2' files (and caches them)."""
-    import tiktoken
-    path = ranks_file or os.environ.get("DRT_GPT2_RANKS")
-    if path:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GPT-2 ranks file {path} not found (from --tokenizer_file or DRT_GPT2_RANKS); "
-                                    f"{RANKS_HELP}")
-        from tiktoken.load import load_tiktoken_bpe
-        from tiktoken_ext.openai_public import r50k_pat_str
-        try:
-            return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str,
-                                     mergeable_ranks=load_tiktoken_bpe(path),
-                                     special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=GPT2_VOCAB)
-        except (ValueError, AssertionError):  # not base64 ranks, or not GPT-2's 50,257 of them
-            raise ValueError(f"GPT-2 ranks file {path} (from --tokenizer_file or DRT_GPT2_RANKS) is not a "
-                             f"tiktoken ranks file of GPT-2's BPE; {RANKS_HELP}") from None
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # requests/urllib errors, whichever tiktoken used
-        raise RuntimeError(f"could not load tiktoken's 'gpt2' encoding ({type(e).__name__}: {e}). "
-                           f"Offline? {RANKS_HELP}") from e
 
 # -----------------------------------------------------------------------------
 # download from the public GCS bucket

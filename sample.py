@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import common
 from common import fmt_len, fmt_time, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
-from prepare_pg19 import EOT, GPT2_VOCAB, get_tokenizer
+from common import EOT, GPT2_VOCAB, get_tokenizer
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
 from tasks import needles_and_question, occurrences, score
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from common import max_token_id
-from prepare_pg19 import GPT2_VOCAB, get_tokenizer
+from common import GPT2_VOCAB, get_tokenizer
 
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
