@@ -75,6 +75,8 @@ class DRTConfig:
     mlp_hidden: int = 0          # SwiGLU hidden width; 0 -> 8/3 * n_embd rounded up to a multiple of 64 (2048 at 768)
     softmax_off_by_one: bool = True  # Eq. 3 weights exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
+    read_next: bool = False      # GCA reads the chunk after each pick (the pick's continuation, what predicts the next chunk when the pick matches this one) instead of the pick; Eq. 1 and 3 unchanged
+    center_query: bool = False   # Eq. 1's query from the landmark state minus its running mean over the sequence's landmarks: the states share one direction (~98% of their norm), whose match ranks chunks alike for every query
     retriever: str = "learned"   # "learned": top-k of Eq. 1's scores; "random": uniformly random earlier chunks, weighted by Eq. 3 (Table 4's ablation); "none": weights 0, GCA reads nothing (the window-only floor)
 
     def __post_init__(self):
@@ -338,6 +340,18 @@ def retrieval_weights(q, picked, eligible, cfg):
     r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return w * (cfg.retriever != "none")
+
+
+def center(h, before=None):
+    """center_query: states h (B, n, C) at n consecutive landmarks minus the running mean of the
+    states at every landmark up to each, in fp32; before: (sum (B, 1, C), count) of the landmarks
+    before them (a stream's earlier segments), None at the start -> (centred h, the new before).
+    Every landmark state is mostly one shared vector (the landmark token's embedding): with it
+    removed, Eq. 1 ranks chunks by what this query holds, not by a match every query shares."""
+    total, count = before if before is not None else (0.0, 0)
+    sums = total + upcast(h).cumsum(1)  # (B, n, C)
+    counts = count + torch.arange(1, h.size(1) + 1, device=h.device, dtype=sums.dtype)[:, None]  # (n, 1)
+    return upcast(h) - sums / counts, (sums[:, -1:], count + h.size(1))
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -620,13 +634,14 @@ class DRT(nn.Module):
         for g, size in enumerate(cfg.groups):
             mem = None
             if n:
-                q = self.ret_norm[g](x[:, S - 1 : n * S : S])  # (B, n, C) the group's input at the landmarks
+                h = x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks
+                q = self.ret_norm[g](center(h)[0] if cfg.center_query else h)  # (B, n, C)
                 picks, eligible = topk_earlier(q, [l], chunk_ids, cfg.topk, self.training and cfg.gumbel,
                                                cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
                 w = retrieval_weights(q, l[b, picks], eligible, cfg)  # (B, n, K): Eq. 3
                 if self.record is not None:
                     self.record.append((chunk_ids, picks, w.detach()))
-                picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
+                picks, w = read_one_chunk_later(None, (picks + cfg.read_next, w), n_chunks)  # chunk c+1 reads chunk c's picks
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
                     mem = (*kv.unbind(3), picks, w)
             for block in itertools.islice(upper, size):
@@ -800,6 +815,7 @@ class StreamState:
         self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
+        self.centers = [None] * len(cfg.groups)  # per group, center_query: (sum, count) of the landmark states so far
 
     @property
     def pos(self):  # absolute position of the next slot
@@ -827,10 +843,13 @@ def forward_segment(model, idx, state):
     for g, size in enumerate(cfg.groups):
         made = None
         if n:
-            q = model.ret_norm[g](to_chunks(x, offset, S)[:, :n, S - 1])  # (B, n, C)
+            h = to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
+            if cfg.center_query:
+                h, state.centers[g] = center(h, state.centers[g])
+            q = model.ret_norm[g](h)  # (B, n, C)
             picks, eligible = topk_earlier(q, store.lm.views(), chunk_ids, cfg.topk, model.training and cfg.gumbel,
                                            cfg.retriever == "random")
-            made = picks, retrieval_weights(q, store.landmarks_at(picks), eligible, cfg)
+            made = picks + cfg.read_next, retrieval_weights(q, store.landmarks_at(picks), eligible, cfg)
             if model.record is not None:
                 model.record.append((chunk_ids, picks, made[1].detach()))
         mem = None
