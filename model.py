@@ -346,8 +346,9 @@ def center(h, before=None):
     """center_query: states h (B, n, C) at n consecutive landmarks minus the running mean of the
     states at every landmark up to each, in fp32; before: (sum (B, 1, C), count) of the landmarks
     before them (a stream's earlier segments), None at the start -> (centred h, the new before).
-    Every landmark state is mostly one shared vector (the landmark token's embedding): with it
-    removed, Eq. 1 ranks chunks by what this query holds, not by a match every query shares."""
+    Every landmark state is mostly one shared vector (|mean| / mean norm ~0.98, at init and after
+    training): with it removed, Eq. 1 ranks chunks by what this query holds, not by a chunk's
+    match with the shared part, which is the same for every query."""
     total, count = before if before is not None else (0.0, 0)
     sums = total + upcast(h).cumsum(1)  # (B, n, C)
     counts = count + torch.arange(1, h.size(1) + 1, device=h.device, dtype=sums.dtype)[:, None]  # (n, 1)
