@@ -1983,7 +1983,7 @@ def test_center_query_ranks_by_the_query():
     C, n = 16, 12
     c = torch.zeros(C, dtype=torch.float64)
     c[0] = 5.0
-    own = torch.eye(C, dtype=torch.float64)[1 : n + 1] * 1.0  # (n, C): chunk j's own direction, orthogonal to c
+    own = torch.eye(C, dtype=torch.float64)[1 : n + 1]  # (n, C): chunk j's own direction, orthogonal to c
     lm = c + own  # (n, C) landmarks
     lm[0] += 0.5 * c  # chunk 0: the hub
     h = torch.cat([c + own[:6], c + own[:6]])  # (12, C): landmark t >= 6 holds chunk t - 6's own part
