@@ -350,9 +350,10 @@ def center(h, before=None):
     training): with it removed, Eq. 1 ranks chunks by what this query holds, not by a chunk's
     match with the shared part, which is the same for every query."""
     total, count = before if before is not None else (0.0, 0)
-    sums = total + upcast(h).cumsum(1)  # (B, n, C)
-    counts = count + torch.arange(1, h.size(1) + 1, device=h.device, dtype=sums.dtype)[:, None]  # (n, 1)
-    return upcast(h) - sums / counts, (sums[:, -1:], count + h.size(1))
+    h = upcast(h)
+    sums = total + h.cumsum(1)  # (B, n, C)
+    counts = count + torch.arange(1, h.size(1) + 1, device=h.device, dtype=h.dtype)[:, None]  # (n, 1)
+    return h - sums / counts, (sums[:, -1:], count + h.size(1))
 
 
 def read_one_chunk_later(carried, made, n_chunks):
