@@ -93,6 +93,7 @@ DEFAULTS, KINDS = keys_of(globals(), DRTConfig)
 MODEL_KEYS = [f.name for f in dataclasses.fields(DRTConfig)]
 PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does: never restored on resume
 PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
+SAID = {"at": 0.0}  # when progress last said so
 
 
 def log(msg):  # rank 0 alone prints (torchrun sets RANK); flushed, so that logs under nohup or tee keep up
@@ -133,10 +134,6 @@ def check_config(config):
     ] if wrong]
     if bad:
         raise ConfigError("; ".join(bad))
-
-
-# -----------------------------------------------------------------------------
-# data
 
 
 class Data:
@@ -188,31 +185,13 @@ class Data:
                         for r in rows]
             xy = torch.from_numpy(np.stack(rows))  # (B, T+1)
             x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
-        if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+        pin = self.device.type == "cuda"
+        return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin) for t in (x, y))
 
 
 def step_rng(*parts):
-    """A random.Random that is a fixed function of parts, e.g. (seed, split, iteration, micro-batch):
-    str seeds go through SHA-512, so it is the same in every process and on every machine."""
+    """A random.Random that is a fixed function of parts (str seeds go through SHA-512: the same everywhere)."""
     return random.Random(":".join(map(str, parts)))
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: each file written whole (to .tmp, then renamed), never replaced unasked
-
-
-def save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, val_loss, tokens_per_step):
-    """ckpt.pt, and ckpt.json: the same without tensors, for people and tools without torch."""
-    state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
-    path = os.path.join(c.out_dir, "ckpt.pt")
-    torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    with open(path[:-3] + ".json.tmp", "w") as f:
-        json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
-    os.replace(path[:-3] + ".json.tmp", path[:-3] + ".json")
-    log(f"saved {path} at step {iter_num}")
 
 
 def saved_at(out_dir):
@@ -224,61 +203,6 @@ def saved_at(out_dir):
         return None
 
 
-def load_run(config, given):
-    """-> (the checkpoint to start from, its path), (None, None) from scratch. Resuming, config takes the
-    checkpoint's values of the keys not given now (PER_RUN keys excepted)."""
-    path = os.path.join(config["out_dir"], "ckpt.pt")
-    if config["init_from"] == "resume":
-        if not os.path.isfile(path):
-            raise ConfigError(f"no checkpoint at {path}: use --init_from=scratch (or point --out_dir at the run)")
-        ckpt = load_checkpoint(path, "start over with --init_from=scratch --overwrite=True, or use another --out_dir")
-        for k in DEFAULTS:  # model keys given now are checked against the checkpoint in model_config
-            stored = ckpt["config"].get(k, config[k])  # a key newer than the checkpoint: its value now
-            if k in given and k not in PER_RUN and k not in MODEL_KEYS and stored != config[k]:
-                log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
-            if k not in given and k not in PER_RUN:
-                config[k] = stored
-        if ckpt["iter_num"] > config["max_iters"]:
-            raise ConfigError(f"{path} is at step {ckpt['iter_num']}, past max_iters={config['max_iters']}: pass "
-                              f"--max_iters above {ckpt['iter_num']} to train on")
-        return ckpt, path
-    if os.path.exists(path) and not config["overwrite"]:
-        raise ConfigError(f"{saved_at(config['out_dir']) or path} exists: continue that run with --init_from=resume, "
-                          f"replace it with --overwrite=True, or use another --out_dir")
-    if config["init_from"] == "scratch":
-        return None, None
-    src = config["init_from"]  # another run's weights: its ckpt.pt or its out_dir
-    src = os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src
-    if not os.path.isfile(src):
-        raise ConfigError(f"init_from={config['init_from']!r}: no checkpoint there (want 'scratch', 'resume', or "
-                          f"the path of a train.py ckpt.pt or its out_dir)")
-    return load_checkpoint(src, "point --init_from at a train.py ckpt.pt or its out_dir"), src
-
-
-def model_config(c, given, ckpt, src):
-    """The architecture as model_args (JSON-able): the checkpoint's if there is one (model keys given now
-    must agree), else the config's. c's model keys are set to it."""
-    arch = {k: getattr(c, k) for k in MODEL_KEYS}
-    if ckpt is not None:
-        stored = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
-        if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
-            said = ", ".join(f"{k}={stored[k]!r}, the config asks {arch[k]!r}" for k in clash)
-            raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the "
-                              f"command line or config file) or start a new out_dir")
-        arch = {k: stored[k] for k in MODEL_KEYS}
-    try:
-        model_args = dataclasses.asdict(DRTConfig(**arch))
-    except ValueError as e:  # DRTConfig says what is wrong
-        raise ConfigError(e) from None
-    vars(c).update(model_args)  # what is built (e.g. landmark_id filled in): the checkpoint's config says so
-    model_args["groups"] = list(model_args["groups"])
-    min_len = 2 * (c.chunk_size - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
-    if c.groups and c.block_size < min_len:
-        raise ConfigError(f"block_size={c.block_size} gives fewer than 3 chunks, so GCA would never run: use "
-                          f"block_size >= {min_len} (best a multiple of chunk_size-1={c.chunk_size - 1})")
-    return model_args
-
-
 # -----------------------------------------------------------------------------
 # Ctrl-C and SIGTERM: the handler takes note, and the loop stops at the next step boundary, where the
 # model is whole. torchrun forwards a Ctrl-C to its workers, and when one dies sends SIGTERM to the rest.
@@ -286,8 +210,7 @@ def model_config(c, given, ckpt, src):
 STOP = {"signum": 0, "at": 0.0}  # the signal this process was sent, and when
 
 
-def on_signal(signum, frame):
-    # a second Ctrl-C stops at once; within 1 s it is the first one again (sent by the terminal and by torchrun)
+def on_signal(signum, frame):  # a second Ctrl-C stops at once; within 1 s it is the first (terminal and torchrun)
     if signum == signal.SIGINT and STOP["signum"] and time.time() - STOP["at"] > 1:
         raise KeyboardInterrupt
     if not STOP["signum"]:
@@ -299,14 +222,10 @@ def catch_signals():  # again at every step boundary: on the GPU, Triton's first
 
 
 def stopped(said, signum):
-    """A signal ended the run: say so (rank 0, or a failing rank) and exit as the shell does for it (130: Ctrl-C)."""
+    """A signal ended the run: say so (rank 0, or a failing rank) and exit as the shell does (130: Ctrl-C)."""
     if said:
         print(f"train.py: {said}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
-
-
-# -----------------------------------------------------------------------------
-# training
 
 
 def get_lr(it, c):
@@ -318,23 +237,18 @@ def get_lr(it, c):
     return c.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (c.learning_rate - c.min_lr)
 
 
-SAID = {"at": 0.0}  # when progress last printed
-
-
 def progress(t0, text):
-    """Print text when the work begun at t0 (a step, an evaluation) has run PROGRESS_AFTER seconds since
-    it began or last said so: a long first step shows it is alive. Host clock: no GPU sync."""
-    now = time.time()
-    if now - max(t0, SAID["at"]) > PROGRESS_AFTER:
+    """Say text once the work begun at t0 (a step, an evaluation) has run PROGRESS_AFTER s since it began
+    or last said so: a long first step shows it is alive. Host clock: no GPU sync."""
+    if (now := time.time()) - max(t0, SAID["at"]) > PROGRESS_AFTER:
         log(f"{text} after {fmt_time(now - t0)}")
         SAID["at"] = now
 
 
 @torch.no_grad()
 def estimate_loss(model, raw_model, data, c, autocast):
-    """Mean loss over eval_iters micro-batches per split (the same at every evaluation), and the retrieval
-    statistics (model.retrieval_stats) of the first validation micro-batch, from the uncompiled model: a
-    retriever whose weights all go to 0 has died, one whose max w stays 1/K is not selective."""
+    """Mean loss over eval_iters micro-batches per split (the same each time), and retrieval_stats of the first
+    val micro-batch (uncompiled): all weights 0, the retriever died; max w stuck at 1/K, it is not selective."""
     out, t0 = {}, time.time()
     model.eval()  # plain top-k: no Gumbel noise
     for split in ("train", "val"):
@@ -356,35 +270,8 @@ def estimate_loss(model, raw_model, data, c, autocast):
     return out, stats
 
 
-def train_step(model, optimizer, data, c, autocast, iter_num, rank, grad_accum, ddp):
-    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss on this rank (a tensor:
-    no host sync). Batches and Gumbel noise are functions of (seed, iter_num, global micro-batch), so any
-    number of GPUs, and a resumed run, take the same steps."""
-    lr = get_lr(iter_num, c)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    t_step, loss_sum = time.time(), 0
-    for micro in range(grad_accum):
-        if micro:
-            progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
-        g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-        x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
-        torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
-        with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
-            with autocast:
-                _, loss = model(x, y, return_logits=False)
-            (loss / grad_accum).backward()
-        loss_sum = loss_sum + loss.detach().float() / grad_accum
-    if c.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum
-
-
 def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
-    """The run main set up: ckpt is the checkpoint to start from (or None), again the command that continues.
-    Returns the logged [(iteration, mean train loss since the previous line)]."""
+    """The run main set up, from checkpoint ckpt (or None); again is the command that continues it."""
     master, cuda = rank == 0, device.type == "cuda"
     dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
@@ -397,7 +284,26 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
         raise ConfigError(f"tokens_per_step={tokens_per_step:,} is not a multiple of batch_size*block_size*GPUs = "
                           f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use a multiple of it (or 0 "
                           f"for no accumulation), or change batch_size")
-    model_args, finetune = model_config(c, given, ckpt, src), c.init_from not in ("scratch", "resume")
+
+    # the architecture: the checkpoint's if there is one (model keys given now must agree), else the config's
+    arch, finetune = {k: getattr(c, k) for k in MODEL_KEYS}, c.init_from not in ("scratch", "resume")
+    if ckpt is not None:
+        stored = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
+        if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
+            said = ", ".join(f"{k}={stored[k]!r}, the config asks {arch[k]!r}" for k in clash)
+            raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the "
+                              f"command line or config file) or start a new out_dir")
+        arch = {k: stored[k] for k in MODEL_KEYS}
+    try:
+        model_args = dataclasses.asdict(DRTConfig(**arch))
+    except ValueError as e:  # DRTConfig says what is wrong
+        raise ConfigError(e) from None
+    vars(c).update(model_args)  # what is built (e.g. landmark_id filled in): the checkpoint's config says so
+    model_args["groups"] = list(model_args["groups"])
+    min_len = 2 * (c.chunk_size - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
+    if c.groups and c.block_size < min_len:
+        raise ConfigError(f"block_size={c.block_size} gives fewer than 3 chunks, so GCA would never run: use "
+                          f"block_size >= {min_len} (best a multiple of chunk_size-1={c.chunk_size - 1})")
     data = Data(c, device)
     if not data.vocab <= c.landmark_id:
         raise ConfigError(f"the data's token ids reach {data.vocab - 1}, but landmark_id={c.landmark_id} "
@@ -428,16 +334,25 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     log(f"{arch}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
+    ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
 
-    # the loop. iter_num counts the optimizer steps done; everything about step iter_num+1 (lr, batches,
-    # Gumbel noise) is a function of iter_num, which is all a checkpoint must hold
+    def save(val_loss):  # the run as it stands at iter_num: each file written whole (to .tmp, then renamed)
+        state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
+        torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, ckpt_path + ".tmp")
+        os.replace(ckpt_path + ".tmp", ckpt_path)
+        with open(ckpt_path[:-3] + ".json.tmp", "w") as f:  # for people and tools without torch
+            json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
+        os.replace(ckpt_path[:-3] + ".json.tmp", ckpt_path[:-3] + ".json")
+        log(f"saved {ckpt_path} at step {iter_num}")
+        return iter_num
+
+    # the loop. iter_num counts the optimizer steps done: all a checkpoint must hold for an exact resume
     start, last, history = iter_num, c.stop_iter or c.max_iters, []
     resumed = c.init_from == "resume"  # then step `start` was evaluated just before the save
     saved = start if resumed else -1  # the step of the checkpoint this run last wrote (or resumed)
     stop = 0  # the signal that stops every rank at the next step boundary
-    loss_sum = torch.zeros((), device=device)
+    loss_sum, t_last, it_last = torch.zeros((), device=device), time.time(), iter_num
     model.train()
-    t_last, it_last = time.time(), iter_num
     while True:
         catch_signals()
         if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
@@ -448,28 +363,44 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
                 + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else ""))
             improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
             if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
-                save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, losses["val"],
-                                tokens_per_step)  # the last step too: out_dir must end up holding this run
-                saved = iter_num
+                saved = save(losses["val"])  # the last step too: out_dir must end up holding this run
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
             break
         stop = stop if ddp else STOP["signum"]  # one process: at every step; DDP: agreed at the log line below
         if stop:  # a step boundary: the model is whole
             if master and iter_num > saved:
-                save_checkpoint(c, model_args, raw_model, optimizer, iter_num, best_val_loss, None, tokens_per_step)
+                save(None)
             if ddp:
                 dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
             said = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
-            if iter_num > start:
-                said += f": saved {os.path.join(c.out_dir, 'ckpt.pt')} at step {iter_num}; continue with: {again}"
-            else:
-                said += (f" before step {start + 1}: nothing new to save; continue with: {again}" if resumed
-                         else " before the first step: nothing saved")
+            said += (f": saved {ckpt_path} at step {iter_num}; continue with: {again}" if iter_num > start else
+                     f" before step {start + 1}: nothing new to save; continue with: {again}" if resumed else
+                     " before the first step: nothing saved")
             stopped(said if master else "", stop)
 
-        loss_sum += train_step(model, optimizer, data, c, autocast, iter_num, rank, grad_accum, ddp)
+        # step iter_num + 1 over grad_accum micro-batches; the loss stays on the device (no host sync)
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(iter_num, c)
+        t_step, step_loss = time.time(), 0
+        for micro in range(grad_accum):
+            if micro:
+                progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
+            g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
+            x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
+            torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
+            with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
+                with autocast:
+                    _, loss = model(x, y, return_logits=False)
+                (loss / grad_accum).backward()
+            step_loss = step_loss + loss.detach().float() / grad_accum
+        loss_sum += step_loss
+        if c.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         iter_num += 1
+
         if iter_num % c.log_interval == 0 or iter_num == last:
             if ddp:  # the losses of all ranks, and the signal any rank was sent: then all stop at this step
                 sent = torch.tensor(float(STOP["signum"]), device=device)
@@ -488,6 +419,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             t_last, it_last = time.time(), iter_num
 
     log(f"done: step {iter_num}/{c.max_iters}, best val loss {best_val_loss:.4f}")
+    if ddp:
+        dist.barrier()  # rank 0 may still be evaluating and saving: leave together
     return history
 
 
@@ -499,35 +432,54 @@ def main(argv=None):
         print_help(__doc__, __file__, DRTConfig)
         return []
     config, given = configure(argv, DEFAULTS, KINDS)
-    ckpt, src = load_run(config, given)
+
+    # where to start: resuming takes the checkpoint's values of the keys not given now (PER_RUN keys excepted)
+    ckpt, src = None, os.path.join(config["out_dir"], "ckpt.pt")
+    if config["init_from"] == "resume":
+        if not os.path.isfile(src):
+            raise ConfigError(f"no checkpoint at {src}: use --init_from=scratch (or point --out_dir at the run)")
+        ckpt = load_checkpoint(src, "start over with --init_from=scratch --overwrite=True, or use another --out_dir")
+        for k in DEFAULTS:  # model keys given now are checked against the checkpoint's model_args in train
+            stored = ckpt["config"].get(k, config[k])  # a key newer than the checkpoint: its value now
+            if k in given and k not in PER_RUN and k not in MODEL_KEYS and stored != config[k]:
+                log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
+            if k not in given and k not in PER_RUN:
+                config[k] = stored
+        if ckpt["iter_num"] > config["max_iters"]:
+            raise ConfigError(f"{src} is at step {ckpt['iter_num']}, past max_iters={config['max_iters']}: pass "
+                              f"--max_iters above {ckpt['iter_num']} to train on")
+    elif os.path.exists(src) and not config["overwrite"]:
+        raise ConfigError(f"{saved_at(config['out_dir']) or src} exists: continue that run with --init_from=resume, "
+                          f"replace it with --overwrite=True, or use another --out_dir")
+    elif config["init_from"] != "scratch":  # fine-tuning another run's weights: its ckpt.pt or its out_dir
+        src = config["init_from"]
+        src = os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src
+        if not os.path.isfile(src):
+            raise ConfigError(f"init_from={config['init_from']!r}: no checkpoint there (want 'scratch', 'resume', or "
+                              f"the path of a train.py ckpt.pt or its out_dir)")
+        ckpt = load_checkpoint(src, "point --init_from at a train.py ckpt.pt or its out_dir")
     check_config(config)
     c = types.SimpleNamespace(**config)
 
     # DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; plain python runs one process
     ddp = "RANK" in os.environ
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
     again = ("torchrun <as before> " if ddp else "python ") + shlex.join(["train.py", *again])  # what continues
     dev = c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    if dev.startswith("cuda") and not torch.cuda.is_available():
+    if (cuda := dev.startswith("cuda")) and not torch.cuda.is_available():
         raise ConfigError(f"device={dev!r} but CUDA is not available: use --device=cpu (or auto)")
-    if ddp and dev.startswith("cuda"):
-        dev = f"cuda:{local_rank}"
-        torch.cuda.set_device(dev)
-    device = torch.device(dev)
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if ddp and cuda else dev)
+    if ddp and cuda:
+        torch.cuda.set_device(device)
     if ddp:  # a timeout, so that a rank waiting for a dead or hung one fails in minutes, not in half an hour
-        cuda = device.type == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                                 timeout=timedelta(seconds=c.ddp_timeout))
 
     STOP.update(signum=0, at=0.0)
     handlers = catch_signals()
     try:
-        history = train(c, given, ckpt, src, device, ddp, rank, world_size, again)
-        if ddp:
-            dist.barrier()  # rank 0 may still be evaluating and saving: leave together
-        return history
+        return train(c, given, ckpt, src, device, ddp, rank, world_size, again)
     except KeyboardInterrupt:  # a second Ctrl-C
         last = saved_at(c.out_dir)
         stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
