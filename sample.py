@@ -10,11 +10,11 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
     python sample.py --out_dir=out-lm --ppl --docs=data/pg19/test.bin --retrieval=learned,none,random
     python sample.py --out_dir=out-lm --inspect --docs=data/pg19/test.bin --at=200000
 
-The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture
-flags. Prompts of any length are prefilled in segments and continued token by token with
-O(W) self-attention caches (§3.2 of the paper); --offload keeps the chunk memory (the keys
-and values of every past chunk) in host memory and brings only the retrieved chunks to the
-GPU. Every argument is checked before the checkpoint loads, so a typo costs no load time.
+The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture flags.
+Prompts of any length are prefilled in segments and continued token by token with O(W)
+self-attention caches (§3.2 of the paper); --offload keeps the chunk memory (every past chunk's
+keys and values) in host memory and brings only the retrieved chunks to the GPU. Every argument
+is checked before the checkpoint loads, so a typo costs no load time.
 """
 
 import argparse
@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 
 import common
-from common import fmt_len, fmt_time, parse_lengths, peak_mem_gib
+from common import EOT, GPT2_VOCAB, fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, window_reach
-from common import EOT, GPT2_VOCAB, get_tokenizer
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
 from tasks import needles_and_question, occurrences, score
 
@@ -81,9 +80,14 @@ def read_prompt(prompt):
         error(f"--prompt={prompt}: not UTF-8 text: give a text file, or the text itself")
 
 
+def as_batch(model, ids):
+    """Token ids -> (1, n) on the model's device."""
+    return torch.as_tensor(np.asarray(ids), dtype=torch.long, device=next(model.parameters()).device)[None]
+
+
 def generate(model, enc, prompt, args, ctx):
     """Print --num_samples continuations of the prompt, each after the prompt's last 500 characters."""
-    x = torch.tensor([enc.encode_ordinary(prompt) or [enc.eot_token]], device=args.device)  # (1, T)
+    x = as_batch(model, enc.encode_ordinary(prompt) or [enc.eot_token])  # (1, T)
     for _ in range(args.num_samples):
         with ctx:
             y = model.generate(x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
@@ -93,8 +97,9 @@ def generate(model, enc, prompt, args, ctx):
 
 
 # -----------------------------------------------------------------------------
-# The long-context harness: passkey, multi-key and 2-hop accuracy by length (Appendix D), one
-# table per test, beside what retrieval picked for the answer
+# The long-context harness: passkey, multi-key and 2-hop accuracy by length (Appendix D) beside
+# what retrieval picked; in-context copying (--copying); the loss by position (--ppl); the picks
+# themselves (--inspect, §4.4)
 
 
 LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
@@ -103,8 +108,7 @@ PROGRESS_AFTER = 10  # seconds between progress lines: long work says how far it
 
 
 class Progress:
-    """Called with the work done so far; prints `label: done/total unit after T, ETA T` at most
-    every PROGRESS_AFTER seconds."""
+    """progress(done) prints `label: done/total unit after T, ETA T`, at most every PROGRESS_AFTER seconds."""
 
     def __init__(self, label, total, unit="tokens"):
         self.label, self.total, self.unit = label, total, unit
@@ -117,26 +121,19 @@ class Progress:
                   f"ETA {fmt_time(dt * (self.total - done) / max(done, 1))}", flush=True)
 
 
-def as_batch(model, ids):
-    """Token ids -> (1, n) on the model's device."""
-    return torch.as_tensor(np.asarray(ids), dtype=torch.long, device=next(model.parameters()).device)[None]
-
-
 def prefill(model, ids, state, segment, progress=None):
-    """Stream ids into the state, `segment` tokens a call -> the last position's logits (1, 1, V)."""
+    """Stream ids into the state, `segment` tokens a call."""
     x = as_batch(model, ids)
     for s in range(0, x.size(1), segment):
-        logits, _ = model(x[:, s : s + segment], state=state)
+        model(x[:, s : s + segment], state=state)
         if progress:
             progress(min(s + segment, x.size(1)))
-    return logits
 
 
 def answer_prompt(model, prompt, n, state, segment, progress=None):
-    """Prefill the prompt, decode n tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))]
-    per upper group: the picks that served the prompt's last token, which predicts the answer). The
-    picks are read before the last token goes in, which may close a chunk whose landmark picks anew:
-    so that token is left to model.generate, and the rest prefilled here, with progress."""
+    """Prefill the prompt, decode n tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))] per
+    upper group: the picks that served the prompt's last token). They are read before that token goes
+    in (it may close a chunk, whose landmark picks anew): model.generate gets it, prefill the rest."""
     prefill(model, prompt[:-1], state, segment, progress)
     picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
     out = model.generate(as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
@@ -150,20 +147,18 @@ def needle_chunk(prompt, answer, T):
 
 
 def in_reach(prompt, answer, T, reach):
-    """Whether the answer's last mention lies within `reach` positions (landmarks counted, one per T
-    text tokens) of the prompt's last token: then the windows can copy it, and retrieval is not tested
-    (< reach, where a window of W sees W-1 back: it errs toward calling a prompt in reach)."""
+    """Whether the answer's last mention lies within `reach` positions (landmarks counted, one per T text
+    tokens) of the prompt's last token, where the windows can copy it (< reach errs toward "in reach")."""
     i = occurrences(prompt, answer)[-1] + len(answer) - 1
     return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
 
 
 def needle_picks(prompt, answer, picks, T):
-    """Retrieval's part in one answer -> (found: the needle's chunk, or the next one, whose memory saw
-    the needle through the lower windows, was picked with a weight > 0; hit@1: one of them got its
-    group's largest weight, in some upper group; their weight (Eq. 3), mean over the groups), or None
-    where retrieval cannot pick it: the needle in the last two chunks (chunk c reads what the landmark
-    of chunk c-1 picked among chunks < c-1). With several needles `found` passes a retriever that
-    picks every key's chunk whatever the name; hit@1 does not."""
+    """Retrieval's part in one answer -> (found: the needle's chunk, or the next, whose memory saw it
+    through the lower windows, was picked with weight > 0; hit@1: one of them got the largest weight of
+    some upper group; their weight (Eq. 3), mean over the groups), or None where retrieval cannot pick
+    it (in the last two chunks: chunk c reads what chunk c-1's landmark picked among chunks < c-1).
+    With several needles, hit@1 (not found) fails a retriever that picks every key's chunk."""
     need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
     if not picks or need is None or need >= last - 1:
         return None
@@ -174,8 +169,7 @@ def needle_picks(prompt, answer, picks, T):
 
 
 def wilson(k, n, z=1.96):
-    """The Wilson score interval of k successes in n: unlike p +- z*se it stays inside [0, 1] and is
-    not empty at 0/n or n/n, where small tests sit."""
+    """The Wilson score interval of k successes in n: unlike p +- z*se, inside [0, 1] and not empty at 0/n, n/n."""
     p, d = k / n, 1 + z * z / n
     mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return max(0.0, mid - half), min(1.0, mid + half)
@@ -197,15 +191,17 @@ def prompt_seed(seed, task, L, i):
     return f"{seed}-{task}-{L}-{i}"
 
 
-def check_lengths(tasks, lengths, samples, seed, enc, align=None, **kw):
-    """A length too short for the prompts run_task will draw is an error now, naming the shortest that works."""
+def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
+    """A length too short for the prompts run_task will draw is an error now, naming the shortest that
+    works. Without cfg (before the checkpoint loads) prompts are not cut to its chunks."""
+    align, kw = None if cfg is None or args.no_align else cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
     for task in tasks:
         # the longest of 64 probes: whether a length passes must not hang on the luck of its own seeds
         floor = max(min_length(task, i, enc, align, **kw) for i in range(64))
 
         def ok(L):
-            return L >= floor and all(min_length(task, prompt_seed(seed, task, L, i), enc, align, **kw) <= L
-                                      for i in range(samples))
+            return L >= floor and all(min_length(task, prompt_seed(args.seed, task, L, i), enc, align, **kw) <= L
+                                      for i in range(args.samples))
 
         for L in lengths:
             if not ok(L):
@@ -217,8 +213,7 @@ def check_lengths(tasks, lengths, samples, seed, enc, align=None, **kw):
 
 
 def check_memory(model, L, args):
-    """Refuse a length whose chunk memory (2*d*bytes per text token x S/(S-1): in host memory with
-    --offload or on a CPU, else on the GPU) cannot fit, before it runs for hours."""
+    """Refuse a length whose chunk memory (2*d*bytes per text token x S/(S-1)) cannot fit, before it runs for hours."""
     cfg, device = model.config, next(model.parameters()).device
     on_gpu = device.type == "cuda" and not args.offload
     size = 2 if device.type == "cuda" and args.dtype != "float32" else 4  # autocast on CUDA alone
@@ -230,27 +225,22 @@ def check_memory(model, L, args):
               + (" or --offload (host memory)" if on_gpu else ""))
 
 
-def describe(task, args, depth):
-    """The flags that change the prompts, for the table's title."""
-    parts = [(f"{args.keys} keys", task == "multikey"), (f"template {args.template}", args.template != "key"),
-             (f"{args.digits}-digit numbers", args.digits != 5),
-             (f"the asked needle at depth {depth}", depth not in (None, "reach")),
-             ("the asked key just past the windows' reach", depth == "reach"),
-             ("names unseen in training", args.unseen_names and task == "multikey")]
-    return "".join(f", {text}" for text, on in parts if on)
-
-
 @torch.no_grad()
 def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     """Accuracy of `task` at each context length, one table row per length. depth: one --depth bin."""
     device, cfg = next(model.parameters()).device, model.config
     align = None if args.no_align else cfg.chunk_size - 1
     kw, T, reach = prompt_kwargs(args, cfg, depth), cfg.chunk_size - 1, window_reach(cfg)
+    changed = [(f"{args.keys} keys", task == "multikey"), (f"template {args.template}", args.template != "key"),
+               (f"{args.digits}-digit numbers", args.digits != 5),
+               (f"the asked needle at depth {depth}", depth not in (None, "reach")),
+               ("the asked key just past the windows' reach", depth == "reach"),
+               ("names unseen in training", args.unseen_names and task == "multikey")]  # the title names them
     print(f"\n{task}, retrieval {cfg.retriever}: {args.samples} samples per length, "
           f"{'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
           f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}"
-          f"{describe(task, args, depth)}")
+          + "".join(f", {text}" for text, on in changed if on))
     header = (f"{'length':>8} {'samples':>7} {'accuracy [95% CI]':>17} {'in reach':>8} {'hit@1':>7} {'retrieved':>9} "
               f"{'needle w':>8} {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
@@ -275,8 +265,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
                 owner = key_owner(needles, re.match(r"\d*", got).group(), want)
                 print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
                       + (f" (another needle's key: {owner}'s)" if owner else ""), flush=True)
-            got = needle_picks(prompt, answer, picks, T)
-            if got is not None:
+            if (got := needle_picks(prompt, answer, picks, T)) is not None:
                 eligible, found, top, weight = eligible + 1, found + got[0], top + got[1], weight + got[2]
             kv = state.store.nbytes()
             del state  # before the next sample allocates its own memory
@@ -289,27 +278,24 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
               f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
-# -----------------------------------------------------------------------------
 # In-context copying (--copying): is a span predicted better once seen, near and past the reach?
 
-
 def copy_span(cfg):
-    """Tokens per near span: 100, or fewer, so that each repeat lies within the window (which
-    counts landmarks: W positions hold W*(S-1)/S tokens)."""
+    """Tokens per near span: 100, or fewer, so that each repeat lies in the window (W*(S-1)/S tokens)."""
     return min(100, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
 
 
 def copy_far_span(cfg):
-    """Tokens per far span, as in train.py's far copy rows: the windows' reach in positions plus 8,
-    so that (landmarks taking room too) no chain of windows reaches back: only retrieval can copy it."""
+    """Tokens per far span, as train.py's far copy rows: the windows' reach plus 8, so that (landmarks
+    taking room too) no chain of windows reaches back: only retrieval can copy it."""
     return window_reach(cfg) + 8
 
 
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
-    """Induction, which answering by a name (multi-key, 2-hop) builds on: the mean loss on each pass
-    of spans seen three times in a row within the window, and of spans past the windows' reach seen
-    twice, whose copy must come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
+    """Induction, which answering by a name (multi-key, 2-hop) builds on: the mean loss on each pass of spans
+    seen 3 times in a row in the window, and of spans past the windows' reach seen twice, whose copy must
+    come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
     device, cfg = next(model.parameters()).device, model.config
     L, L_far = copy_span(cfg), copy_far_span(cfg)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
@@ -341,10 +327,7 @@ def copy_test(model, args, ctx, haystack=None):
     return losses
 
 
-# -----------------------------------------------------------------------------
-# Language modelling over long documents: the loss by position (--ppl) and what was retrieved
-# (--inspect, §4.4)
-
+# Long documents (--ppl, --inspect)
 
 BUCKETS = [0, 2**10, 2**12, 2**14, 2**16, 2**18, 2**20]  # position buckets 0-1K, 1K-4K, ..., 256K-1M, 1M+
 PPL_SEGMENT = 16384  # --ppl holds one segment's (segment, vocab) logits at a time
@@ -378,8 +361,8 @@ def read_docs(path, enc, max_tokens=None):
 
 @torch.no_grad()
 def doc_nll(model, ids, args, ctx, name="document"):
-    """The loss of every token of a document streamed from its start in segments, as the tests
-    stream their prompts -> (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
+    """The loss of every token of a document streamed from its start in segments, as the tests stream
+    their prompts -> (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
     x = as_batch(model, ids)  # (1, n)
     state, seg, nll = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), []
     progress = Progress(name, x.size(1) - 1)
@@ -404,11 +387,11 @@ def perplexity(model, docs, modes, args, ctx):
         sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
         for name, ids in docs:
             nll = doc_nll(model, ids, args, ctx, name).double()
-            bucket = torch.bucketize(torch.arange(1, len(ids)), torch.tensor(BUCKETS), right=True) - 1  # of the predicted token
+            bucket = torch.bucketize(torch.arange(1, len(ids)), torch.tensor(BUCKETS), right=True) - 1  # predicted's
             sums.index_add_(0, bucket, nll)
             counts += torch.bincount(bucket, minlength=len(BUCKETS))
-        table[mode] = [(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
-        table[mode].append((int(counts.sum()), (sums.sum() / counts.sum()).item()))
+        table[mode] = ([(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
+                       + [(int(counts.sum()), (sums.sum() / counts.sum()).item())])
         stats[mode] = retrieval_stats(model.record, model.config.topk)
     model.record = None
     names = [f"{fmt_len(a)}-{fmt_len(b)}" for a, b in zip(BUCKETS, BUCKETS[1:])] + [f"{fmt_len(BUCKETS[-1])}+", "all"]
@@ -426,9 +409,8 @@ def perplexity(model, docs, modes, args, ctx):
 
 @torch.no_grad()
 def inspect(model, enc, docs, at, args, ctx):
-    """--inspect, the paper's case studies: for the chunk holding token `at` of the first document,
-    the chunks each group retrieved for it (at the landmark of the chunk before), as text, with their
-    weights and distances -> [(group, [(chunk, weight)] by weight)]."""
+    """--inspect, the paper's case studies: the chunks each group retrieved (at the landmark before it) for the
+    chunk holding token `at` of the first document, with weights and distances -> [(group, [(chunk, w)] by w)]."""
     name, ids = docs[0]
     T = model.config.chunk_size - 1
     c = min(at, len(ids) - 1) // T  # the chunk being predicted
@@ -543,15 +525,13 @@ def arg_parser():
     test.add_argument("--passkey", action="store_true", help="passkey retrieval: one 5-digit key hidden in filler")
     test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
     test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X")
-    test.add_argument("--copying", action="store_true", help="in-context copying: the loss on spans seen 1-3 times "
-                      "in the window, and on a repeat past the windows' reach")
+    test.add_argument("--copying", action="store_true",
+                      help="in-context copying: the loss on spans seen 1-3 times, and on repeats past the windows")
     test.add_argument("--lengths", default=LENGTHS, help="context lengths in tokens (up to 64M)")
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
                       help="test prompts per length and test")
-    test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS,
-                      help=argparse.SUPPRESS)  # the old name, hidden
-    test.add_argument("--unseen_names", action="store_true",
-                      help="multi-key names from tasks.UNSEEN_NAMES, which no training prompt holds")
+    test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old
+    test.add_argument("--unseen_names", action="store_true", help="multi-key names that no training prompt holds")
     test.add_argument("--show_misses", action="store_true", help="print each wrong answer beside the right one")
     test.add_argument("--keys", type=int, default=4, help="multi-key: needles in each prompt (2-16)")
     test.add_argument("--depth", default=None, help="where the asked needle lies: fractions of the filler "
@@ -559,18 +539,17 @@ def arg_parser():
     test.add_argument("--template", default="key", help=f"passkey's and multi-key's phrasing: {', '.join(TEMPLATES)}")
     test.add_argument("--digits", type=int, default=5, help="digits of every key (3-7)")
     test.add_argument("--no_align", action="store_true",
-                      help="do not cut prompts so that the question's last token opens a chunk (as in training)")
-    test.add_argument("--retrieval", default=None, help="learned, random, none (weights 0: the window alone), or "
-                      "a comma list, each run in turn (None: as trained)")
-    test.add_argument("--haystack", default=None, help="real text as filler: a folder of .txt books or a .bin "
-                      "from prepare_pg19.py (None: repeated sentences)")
+                      help="let the question's last token fall anywhere in its chunk (trained: it opens one)")
+    test.add_argument("--retrieval", default=None,
+                      help="learned, random, none (the window alone), or a comma list, each in turn (None: as trained)")
+    test.add_argument("--haystack", default=None,
+                      help="filler of real text: .txt books in a folder, or a prepare_pg19.py .bin (None: sentences)")
     lm = p.add_argument_group("language modelling over long documents")
     lm.add_argument("--ppl", action="store_true", help="perplexity by position over --docs")
-    lm.add_argument("--inspect", action="store_true",
-                    help="print what each group retrieved for the chunk at token --at of the first --docs document")
+    lm.add_argument("--inspect", action="store_true", help="what each group retrieved for the chunk at token --at")
     lm.add_argument("--docs", default=None, help="a folder of .txt, one .txt, or a .bin of prepare_pg19.py")
     lm.add_argument("--max_tokens", type=int, default=None, help="--ppl: the first N tokens of each document only")
-    lm.add_argument("--at", type=int, default=4096, help="--inspect: the token whose chunk to show")
+    lm.add_argument("--at", type=int, default=4096, help="--inspect: the token of the first document to show")
     return p
 
 
@@ -592,7 +571,7 @@ def main(argv=None):
         if max(lengths) > MAX_LENGTH:
             error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
                   f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
-        check_lengths(tasks, lengths, args.samples, args.seed, enc, **prompt_kwargs(args))
+        check_lengths(tasks, lengths, args, enc)
     haystack = load_haystack(args.haystack, enc) if (tasks or args.copying) and args.haystack else None
     docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None
 
@@ -610,8 +589,7 @@ def main(argv=None):
     if tasks:
         check_memory(model, max(lengths), args)
         if not args.no_align or "reach" in depths:  # aligned prompts are shorter, a key past the reach longer
-            check_lengths(tasks, lengths, args.samples, args.seed, enc, None if args.no_align else cfg.chunk_size - 1,
-                          **prompt_kwargs(args, cfg, "reach" if "reach" in depths else None))
+            check_lengths(tasks, lengths, args, enc, cfg, "reach" if "reach" in depths else None)
     modes = args.retrieval.split(",") if args.retrieval else [cfg.retriever]
     if args.ppl:
         perplexity(model, docs, modes, args, ctx)
