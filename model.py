@@ -106,15 +106,14 @@ class DRTConfig:
 
 
 def window_reach(cfg):
-    """Positions the stacked windows see back from a token, (n_lower + n_upper) x W: what lies
-    further back reaches it only through retrieval. cfg: anything with n_lower, groups, window."""
+    """(n_lower + n_upper) x W: how far back the stacked windows see (only retrieval reaches
+    further). cfg: anything with n_lower, groups, window."""
     return (cfg.n_lower + sum(cfg.groups)) * cfg.window
 
 
 # -----------------------------------------------------------------------------
-# Positions: ALiBi. Self-attention only ever sees distances inside the window, and ALiBi uses
-# exactly those: bias = -slope * (i - j), from int64 positions, so it stays exact at any
-# absolute position (fp32 RoPE angles pos*freq lose whole radians near 1.6e7).
+# Positions: ALiBi, bias = -slope * (i - j) from int64 positions: only distances inside the window,
+# exact at any absolute position (fp32 RoPE angles pos*freq lose whole radians near 1.6e7).
 
 
 def alibi_slopes(n_head):
@@ -127,9 +126,8 @@ def alibi_slopes(n_head):
 
 
 def alibi_bias(q_pos, k_pos, slopes, window=None):
-    """Additive attention bias (H, Lq, Lk) from int64 positions (Lq,) and (Lk,). window=W: causal
-    sliding window, key j visible to query i iff 0 <= i - j < W. window=None: bidirectional
-    (inside a chunk), -slope * |i - j|."""
+    """Additive bias (H, Lq, Lk) from int64 positions (Lq,), (Lk,). window=W: causal sliding window,
+    key j visible to query i iff 0 <= i - j < W; None: bidirectional (in a chunk), -slope * |i - j|."""
     d = q_pos[:, None] - k_pos[None, :]  # (Lq, Lk) int64: differences first, so exact at any position
     if window is None:
         return -slopes[:, None, None] * d.abs().float()
@@ -143,14 +141,12 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
 
 
 def window_attention(q, k, v, pos0, window, slopes, ring=None):
-    """q, k, v: (B, H, L, D) for positions pos0 .. pos0+L-1 of a stream; ring: the layer's KVRing
-    holding the W positions before pos0 (streaming), or None -> (B, H, L, D). A whole sequence
-    on a GPU goes through FlexAttention, everything else (CPU, a ring) through tiled SDPA."""
+    """q, k, v (B, H, L, D) at positions pos0 .. pos0+L-1; ring: the layer's KVRing of the W positions
+    before (streaming) or None -> (B, H, L, D). FlexAttention on a GPU without a ring, else tiled SDPA."""
     if ring is None and q.is_cuda and flex_attention is not None:
         return flex_window_attention(q, k, v, window, slopes)
     B, H, L, D = q.shape
-    W = window
-    dev = q.device
+    W, dev = window, q.device
     # tile 0: the first L0 queries see the ring (the previous W positions) and the segment's start
     L0 = min(L, W)
     q_pos = pos0 + torch.arange(L0, device=dev)
@@ -180,8 +176,7 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
 # band's structure, so only the tiles the window touches are computed, and ALiBi as a score_mod.
 
 FLEX_TILE = 128  # the BlockMask's tile (FlexAttention's BLOCK_SIZE)
-# kernel tiles for bf16/fp16 on CUDA, fixed once by max-autotune at the training shape: tuning
-# inside every compile would add minutes to the first step
+# bf16/fp16 kernel tiles on CUDA, found once by max-autotune at the training shape (tuning costs minutes)
 FLEX_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
                 "num_warps": 4, "num_stages": 3}
 
@@ -225,14 +220,12 @@ def flex_window_attention(q, k, v, window, slopes, tile=FLEX_TILE):
 
 
 # -----------------------------------------------------------------------------
-# Chunks (§3.1). A stream's position p lies in chunk p // S, at slot p % S; slot S-1 holds the
-# landmark. A segment of a stream may begin inside a chunk: `offset` is the number of that
-# chunk's slots that earlier segments filled (0 for a stream's first segment, so in training).
+# Chunks (§3.1). Position p lies in chunk p // S at slot p % S; slot S-1 holds the landmark. A segment
+# of a stream may begin inside a chunk: `offset` counts the slots earlier segments filled (0 in training).
 
 
 def to_chunks(x, offset, S):
-    """(B, L, ...) -> (B, n_chunks, S, ...): the segment laid onto whole chunks, with `offset`
-    empty slots in front (its first chunk began in an earlier segment) and empty slots at the end."""
+    """(B, L, ...) -> (B, n_chunks, S, ...): the segment on whole chunks, zeros in the empty slots."""
     n_chunks = cdiv(offset + x.size(1), S)
     back = n_chunks * S - offset - x.size(1)
     if offset or back:
@@ -246,9 +239,8 @@ def from_chunks(x, offset, L):
 
 
 def insert_landmarks(idx, cfg, n0=0):
-    """idx (B, T) text ids continuing a stream of n0 positions -> (ids (B, L), offset): the landmark
-    id after every S-1 text tokens, eagerly (a chunk whose last text token arrives is finished in
-    the same call), and the segment's offset n0 % S in its first chunk."""
+    """idx (B, T) text ids continuing a stream of n0 positions -> (ids (B, L), offset n0 % S): the
+    landmark id after every S-1 text tokens, eagerly (a chunk's last text token closes it at once)."""
     S, (B, T) = cfg.chunk_size, idx.shape
     offset = n0 % S
     n_chunks = cdiv(offset + T, S - 1)
@@ -260,10 +252,9 @@ def insert_landmarks(idx, cfg, n0=0):
 
 
 class ChunkEncoder(nn.Module):
-    """Bidirectional encoder of finished chunks (§3.1): a chunk's last-lower-layer states -> its
-    landmark vector l (the landmark slot's state) and per-token memory keys/values, from ONE pair
-    of projections shared by every upper layer. The landmark slot's key/value are zero: a sink
-    with logit 0, so a query matching none of a picked chunk's tokens takes (almost) nothing."""
+    """Bidirectional encoder of finished chunks (§3.1): last-lower-layer states -> the landmark
+    vector l (the landmark slot's state) and per-token keys/values, ONE pair of projections for all
+    upper layers. The landmark slot's key/value are zero: a sink (logit 0) for queries matching none."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -292,11 +283,10 @@ class ChunkEncoder(nn.Module):
 
 @torch.no_grad()
 def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
-    """For each query landmark (chunk t), the k best-scoring chunks j < t (Eq. 1). q (B, n, C);
-    pages: the landmarks l_j as consecutive (B, m, C) tensors; chunk_ids (n,) int64 -> (idx,
-    eligible) each (B, n, k). A running top-k page by page: at 1M chunks there is never an
-    n x M score matrix. noise=True adds Gumbel(0, 1) noise (training, §3.2); uniform=True ranks
-    by random numbers instead: k earlier chunks drawn uniformly."""
+    """Eq. 1: for each query landmark (chunk t), the k best-scoring chunks j < t, as a running top-k
+    page by page (never an n x M score matrix). q (B, n, C); pages: the landmarks l_j, consecutive
+    (B, m, C); chunk_ids (n,) -> (idx, eligible) (B, n, k). noise: + Gumbel(0, 1) (training);
+    uniform: random scores, k earlier chunks drawn uniformly."""
     B, n, C = q.shape
     q = upcast(q)
     best_s = q.new_full((B, n, k), float("-inf"))
@@ -322,10 +312,9 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
 
 
 def softmax_off_by_one(r, off_by_one=True):
-    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries get 0. The 1 is
-    a virtual chunk with score 0 and an empty output: when every pick scores low, the weights all
-    shrink and the group can ignore its retrieval. off_by_one=False: the release's plain softmax.
-    Rows that are all -inf give all-zero weights either way."""
+    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries (and all -inf
+    rows) get 0. The 1 is a virtual chunk of score 0 and empty output: a group may ignore poor
+    picks. off_by_one=False: the release's plain softmax."""
     m = r.amax(-1, keepdim=True)
     m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
     e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
@@ -334,21 +323,17 @@ def softmax_off_by_one(r, off_by_one=True):
 
 
 def retrieval_weights(q, picked, eligible, cfg):
-    """Eq. 3 of the picks' CLEAN Eq. 1 scores (no Gumbel noise): the retriever's gradient comes
-    through them. q (B, n, C); picked: the picks' landmarks (B, n, K, C); eligible (B, n, K) ->
-    w (B, n, K); all 0 for cfg.retriever="none"."""
+    """Eq. 3 of the picks' CLEAN Eq. 1 scores (no Gumbel noise), the retriever's gradient path: q
+    (B, n, C), picked landmarks (B, n, K, C), eligible (B, n, K) -> w (B, n, K); 0 if retriever="none"."""
     r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return w * (cfg.retriever != "none")
 
 
 def center(h, before=None):
-    """center_query: states h (B, n, C) at n consecutive landmarks minus the running mean of the
-    states at every landmark up to each, in fp32; before: (sum (B, 1, C), count) of the landmarks
-    before them (a stream's earlier segments), None at the start -> (centred h, the new before).
-    Every landmark state is mostly one shared vector (|mean| / mean norm ~0.98, at init and after
-    training): with it removed, Eq. 1 ranks chunks by what this query holds, not by a chunk's
-    match with the shared part, which is the same for every query."""
+    """center_query: states h (B, n, C) at consecutive landmarks minus the running mean of all
+    landmark states up to each, in fp32; before: (sum (B, 1, C), count) of earlier landmarks (a
+    stream's earlier segments), None at the start -> (centred h, the new before)."""
     total, count = before if before is not None else (0.0, 0)
     h = upcast(h)
     sums = total + h.cumsum(1)  # (B, n, C)
@@ -357,10 +342,9 @@ def center(h, before=None):
 
 
 def read_one_chunk_later(carried, made, n_chunks):
-    """Causal retrieval (§3.1): the picks made at chunk c's landmark are read by the tokens of chunk
-    c+1 (chunk c itself lies in the window). made: (idx, w) (B, n, K) at a segment's n landmarks,
-    or None; carried: (idx, w) (B, 1, K) of the landmark before the segment, None at a stream's
-    start (chunk 0 reads weight-0 picks) -> (idx, w) (B, n_chunks, K) read by the segment's chunks."""
+    """Causal retrieval (§3.1): chunk c's picks are read by chunk c+1 (chunk c lies in the window).
+    made: (idx, w) (B, n, K) at a segment's n landmarks, or None; carried: (B, 1, K) of the landmark
+    before the segment, None at the start (weight 0) -> (idx, w) (B, n_chunks, K) of its chunks."""
     if made is None:  # no landmark here: the segment lies inside one chunk
         return carried
     if carried is None:
@@ -369,9 +353,8 @@ def read_one_chunk_later(carried, made, n_chunks):
 
 
 def retrieval_stats(records, K):
-    """Summary of the retrievals DRT.record collected, [(chunk ids (n,), idx (B, n, K), w (B, n, K))]:
-    the mean over landmarks with an earlier chunk of sum w (how much GCA reads), max w, the
-    entropy of w / sum w (log K: uniform over the picks) and the distance of the picks in chunks."""
+    """DRT.record's retrievals [(chunk ids (n,), idx, w (B, n, K))] -> means over landmarks with an
+    earlier chunk of sum w, max w, entropy of w / sum w (log K: uniform), distance in chunks."""
     sums, maxes, ents, dists = [], [], [], []
     for t, idx, w in records:
         ok = (torch.arange(K, device=w.device) < t.clamp(max=K)[:, None]).expand_as(w)  # eligible picks come first
@@ -391,24 +374,21 @@ def retrieval_stats(records, K):
 # Grouped cross-attention (Eq. 2). For the S queries of a chunk and its K retrieved chunks:
 #     o = sum_i w_i * softmax(q K_i^T / sqrt(D)) V_i
 # Each retrieved chunk gets its own softmax, and the weights w_i (from the retrieval scores)
-# scale whole outputs; that is what lets the loss reach the retriever. (Chunked cross-
-# attention concatenates the chunks under one softmax, and its scores get no gradient.)
+# scale whole outputs, so the loss reaches the retriever (chunked cross-attention's one softmax would not).
 
 GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA, PyTorch elsewhere; "triton" / "torch" force one
 
 
 def gca_reference(q, k_mem, v_mem, idx, w):
-    """The readable GCA, same signature as gca_kernel.flash_gca: q (B, N, S, H, D) queries of N
-    chunks; k_mem, v_mem (B, M, S, H, D) chunk memory; idx (B, N, K) int64 picks in [0, M); w
-    (B, N, K) their weights -> o (B, N, S, H, D)."""
+    """The readable GCA, gca_kernel.flash_gca's signature: q (B, N, S, H, D) of N chunks; k_mem, v_mem
+    (B, M, S, H, D); idx (B, N, K) int64 picks in [0, M), their weights w (B, N, K) -> (B, N, S, H, D)."""
     B, N, S, H, D = q.shape
     b = torch.arange(B, device=q.device)[:, None]  # (B, 1): batch index for gathering by idx
     dtype, q = q.dtype, upcast(q)
     o = torch.zeros_like(q)
     for i in range(idx.size(-1)):  # one pick at a time: memory O(output), not O(K * output)
         k, v = upcast(k_mem[b, idx[..., i]]), upcast(v_mem[b, idx[..., i]])  # (B, N, S, H, D)
-        att = torch.einsum("bnshd,bnthd->bnhst", q, k) / math.sqrt(D)  # (B, N, H, S, S)
-        att = att.softmax(-1)
+        att = (torch.einsum("bnshd,bnthd->bnhst", q, k) / math.sqrt(D)).softmax(-1)  # (B, N, H, S, S)
         o = o + w[..., i, None, None, None] * torch.einsum("bnhst,bnthd->bnshd", att, v)
     return o.to(dtype)
 
@@ -516,10 +496,9 @@ CE_ROWS = 4096  # rows of logits LinearCrossEntropy holds at a time: 4096 x 50,3
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), CE_ROWS rows at a
-    time, so the (N, V) logits are never held whole: x (N, C), weight (V, C), targets (N,) -> a
-    scalar. The forward takes each row's gradient from the softmax it takes the loss from (d loss
-    / d logits = softmax - onehot), only those a backward will use (none under no_grad: an
-    evaluation costs one matmul, not three); the backward only scales them."""
+    time, never holding the (N, V) logits: x (N, C), weight (V, C), targets (N,) -> a scalar. The
+    forward also makes the gradients a backward will use (softmax - onehot; none under no_grad),
+    the backward only scales them."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, grad_enabled):
@@ -593,8 +572,7 @@ class DRT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # tied embedding counted once
 
     def new_state(self, offload=False, start_pos=0):
-        """A fresh stream for decoding and segmented prefill (its batch size is the first forward's).
-        offload=True keeps the chunk keys/values in host memory (§3.2)."""
+        """A fresh stream (batch size: its first forward's); offload=True keeps chunk keys/values on the host."""
         return StreamState(self.config, self.wte.weight.device, offload, start_pos)
 
     def check_input(self, idx, targets):
@@ -613,10 +591,9 @@ class DRT(nn.Module):
                 raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
 
     def forward(self, idx, targets=None, state=None, return_logits=True):
-        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) over the text
-        positions and the mean cross-entropy. Without: logits of the last position (B, 1, vocab),
-        loss None. return_logits=False (training): logits None, and the loss without ever holding
-        (B, T, vocab). state=None: a sequence that starts at idx[:, 0] and ends with the call
+        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean
+        cross-entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=
+        False: logits None, the loss never holding (B, T, vocab). state=None: one whole sequence
         (training), written out below; else a StreamState to continue (the last section)."""
         self.check_input(idx, targets)
         if state is not None:
@@ -637,18 +614,27 @@ class DRT(nn.Module):
             mem = None
             if n:
                 h = x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks
-                q = self.ret_norm[g](center(h)[0] if cfg.center_query else h)  # (B, n, C)
-                picks, eligible = topk_earlier(q, [l], chunk_ids, cfg.topk, self.training and cfg.gumbel,
-                                               cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
-                w = retrieval_weights(q, l[b, picks], eligible, cfg)  # (B, n, K): Eq. 3
-                if self.record is not None:
-                    self.record.append((chunk_ids, picks, w.detach()))
+                picks, w, _ = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
                 picks, w = read_one_chunk_later(None, (picks + cfg.read_next, w), n_chunks)  # chunk c+1 reads chunk c's picks
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
                     mem = (*kv.unbind(3), picks, w)
             for block in itertools.islice(upper, size):
                 x = block(x, mem)  # self-attention, then GCA (Eq. 2) into the MLP
         return self.logits_and_loss(x, 0, idx.size(1), targets, return_logits)
+
+    def retrieve(self, g, h, chunk_ids, pages, landmarks_at, before=None):
+        """Eq. 1 and 3 for group g at the landmark states h (B, n, C) of chunks chunk_ids (n,): pages as
+        in topk_earlier, landmarks_at(picks) -> their l_j, before as in center -> picks, w, before."""
+        cfg = self.config
+        if cfg.center_query:
+            h, before = center(h, before)
+        q = self.ret_norm[g](h)  # (B, n, C)
+        picks, eligible = topk_earlier(q, pages, chunk_ids, cfg.topk, self.training and cfg.gumbel,
+                                       cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
+        w = retrieval_weights(q, landmarks_at(picks), eligible, cfg)  # (B, n, K): Eq. 3
+        if self.record is not None:
+            self.record.append((chunk_ids, picks, w.detach()))
+        return picks, w, before
 
     def logits_and_loss(self, x, offset, T, targets, return_logits):
         """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions."""
@@ -664,10 +650,8 @@ class DRT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices only (not on norm gains)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     def flops_per_token(self):
@@ -705,10 +689,9 @@ class DRT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Streaming (§3.2): a stream run segment by segment (long prefills, then decoding token by
-# token) computes what one forward over it would. Self-attention keeps the last W keys/values
-# of each layer (a ring, O(W)); the encoded chunks go into a store that grows by one chunk per
-# S positions (keys/values on the host with offload=True); each group's last picks carry over.
+# Streaming (§3.2): a stream run segment by segment (prefills, then token by token) computes what
+# one forward over it would. Each self-attention layer keeps its last W keys/values (a ring); the
+# encoded chunks go into a store (keys/values on the host with offload=True); picks carry over.
 
 
 class KVRing:
@@ -732,9 +715,8 @@ class KVRing:
 
 
 class PagedTensor:
-    """A (B, n, ...) tensor that grows along dim 1 without ever copying what it holds: pages whose
-    sizes double from `first` rows up to `cap`, on `device` (pinned host memory for device='cpu'
-    when CUDA is there)."""
+    """A (B, n, ...) tensor growing along dim 1 without copying what it holds: pages that double
+    from `first` rows up to `cap`, on `device` (pinned host memory for 'cpu' when CUDA is there)."""
 
     def __init__(self, first, cap, device):
         self.first, self.cap, self.device = first, cap, torch.device(device)
@@ -767,15 +749,11 @@ class PagedTensor:
             out[:, at] = self.pages[i].index_select(1, rows[at] - self.starts[i])
         return out
 
-    def nbytes(self):  # of the stored rows (the last page's spare rows not counted)
-        return self.n * self.pages[0][:, :1].numel() * self.pages[0].element_size() if self.pages else 0
-
 
 class ChunkStore:
-    """The encoded chunks of a stream: keys/values kv (B, M, S, 2, H, D) and landmarks (B, M, C),
-    paged, so a million chunks are never re-copied as they come. With offload=True the keys/values
-    live in host memory and only the picked chunks travel to the device: GPU memory grows by the
-    landmarks alone (§3.2), which retrieval scores page by page where they are."""
+    """A stream's encoded chunks, paged: keys/values kv (B, M, S, 2, H, D), landmarks (B, M, C).
+    offload=True keeps the keys/values in host memory and moves only the picked chunks to the
+    device: GPU memory grows by the landmarks alone (§3.2)."""
 
     LM_PAGES = (256, 65536)  # landmark pages: rows of the first page, rows of the largest
     KV_PAGES = (64, 16384)  # key/value pages: the same, so at 1M chunks a gather touches <= ~70 pages
@@ -784,30 +762,25 @@ class ChunkStore:
         self.kv = PagedTensor(*self.KV_PAGES, "cpu" if offload else device)
         self.lm = PagedTensor(*self.LM_PAGES, device)
 
-    def append(self, kv, l):  # kv (B, n, S, 2, H, D); l (B, n, C)
-        self.kv.append(kv.detach())  # a stream's store holds no autograd graph
-        self.lm.append(l.detach())
-
     def landmarks_at(self, idx):  # l_j of the picks idx (B, n, K) -> (B, n, K, C)
         uniq, inv = torch.unique(idx, return_inverse=True)
         return self.lm.take(uniq)[torch.arange(idx.size(0), device=idx.device)[:, None, None], inv]
 
     def gather(self, idx):
-        """The keys/values GCA reads for picks idx (B, n, K): -> k_mem, v_mem (B, U, S, H, D) of the U
-        distinct picks, and idx' (B, n, K) into them, on idx's device. From host memory they go
-        through pinned memory, copied in without blocking the host."""
+        """The picks idx (B, n, K) for GCA, on idx's device: k_mem, v_mem (B, U, S, H, D) of the U
+        distinct picks and idx' (B, n, K) into them; from the host, copied in without blocking."""
         uniq, inv = torch.unique(idx.to(self.kv.device), return_inverse=True)  # (U,); .cpu() waits for append's copies
         kv = self.kv.take(uniq).to(idx.device, non_blocking=True)  # (B, U, S, 2, H, D)
         return *kv.unbind(3), inv.to(idx.device)
 
-    def nbytes(self):  # of chunk keys/values held (host or device): 2 * S * C elements per chunk
-        return self.kv.nbytes()
+    def nbytes(self):  # of the chunk keys/values held (host or device), not the last page's spare rows
+        kv = self.kv
+        return kv.n * kv.pages[0][:, :1].numel() * kv.pages[0].element_size() if kv.pages else 0
 
 
 class StreamState:
-    """A stream in progress: create with DRT.new_state, pass to every forward of the stream (prompts
-    in one batch share their length). It holds detached tensors only: no autograd graph outlives
-    a call, so memory stays O(W + chunks) however long the stream runs."""
+    """A stream in progress: made by DRT.new_state, passed to each of its forwards (prompts in one
+    batch share their length). Detached tensors only, so memory stays O(W + chunks)."""
 
     def __init__(self, cfg, device, offload=False, start_pos=0):
         self.n = 0  # positions processed so far, landmarks included; chunk c holds n in [cS, cS+S)
@@ -819,25 +792,24 @@ class StreamState:
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
         self.centers = [None] * len(cfg.groups)  # per group, center_query: (sum, count) of the landmark states so far
 
-    @property
-    def pos(self):  # absolute position of the next slot
-        return self.n + self.start_pos
-
 
 def forward_segment(model, idx, state):
     """DRT.forward's steps for the next segment idx (B, T) of a stream, continuing and updating
     state -> the last layer's states (B, L, C) and the segment's offset in its first chunk."""
     cfg, S, store = model.config, model.config.chunk_size, state.store
+    pos0 = state.n + state.start_pos  # absolute position of the segment's first slot
     ids, offset = insert_landmarks(idx, cfg, state.n)  # (B, L)
     x = model.wte(ids)  # (B, L, C)
     for block, ring in zip(model.lower, state.rings):
-        x = block(x, state.pos, ring)
+        x = block(x, pos0, ring)
     B, L, C = x.shape
     n, n_chunks = (offset + L) // S, cdiv(offset + L, S)  # chunks finished here (landmark in), chunks touched
     if cfg.groups:  # a finished chunk's first slots may come from earlier segments
         pending = x if state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, offset + L, C)
         if n:
-            store.append(*model.encoder(pending[:, : n * S].view(B, n, S, C)))
+            kv, l = model.encoder(pending[:, : n * S].view(B, n, S, C))  # (B, n, S, 2, H, D), (B, n, C)
+            store.kv.append(kv.detach())  # the store holds no autograd graph
+            store.lm.append(l.detach())
         state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
     c0 = state.n // S  # the segment touches chunks c0 .. c0 + n_chunks - 1
     chunk_ids = c0 + torch.arange(n, device=x.device)  # (n,) the chunk of each landmark here
@@ -846,20 +818,15 @@ def forward_segment(model, idx, state):
         made = None
         if n:
             h = to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
-            if cfg.center_query:
-                h, state.centers[g] = center(h, state.centers[g])
-            q = model.ret_norm[g](h)  # (B, n, C)
-            picks, eligible = topk_earlier(q, store.lm.views(), chunk_ids, cfg.topk, model.training and cfg.gumbel,
-                                           cfg.retriever == "random")
-            made = picks + cfg.read_next, retrieval_weights(q, store.landmarks_at(picks), eligible, cfg)
-            if model.record is not None:
-                model.record.append((chunk_ids, picks, made[1].detach()))
+            picks, w, state.centers[g] = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at,
+                                                        state.centers[g])
+            made = picks + cfg.read_next, w
         mem = None
         if c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing earlier to read
             picks, w = read_one_chunk_later(state.picks[g], made, n_chunks)  # (B, n_chunks, K)
             mem = (*(state.prefetched[g] if n_chunks == 1 else store.gather(picks)), w)
         for block in itertools.islice(upper, size):
-            x = block(x, mem, state.pos, next(rings), offset)
+            x = block(x, mem, pos0, next(rings), offset)
         if made is not None:  # the last landmark's picks serve the next segment's first chunk
             state.picks[g] = (made[0][:, -1:], made[1][:, -1:].detach())
             state.prefetched[g] = store.gather(state.picks[g][0])  # from the host, the copy overlaps the call's rest
