@@ -818,8 +818,9 @@ def forward_segment(model, idx, state):
         made = None
         if n:
             h = to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
-            picks, w, state.centers[g] = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at,
-                                                        state.centers[g])
+            picks, w, before = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at, state.centers[g])
+            if before is not None:  # center_query's running sum, detached: like the store, a stream keeps no graph
+                state.centers[g] = before[0].detach(), before[1]
             made = picks + cfg.read_next, w
         mem = None
         if c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing earlier to read

@@ -840,18 +840,21 @@ def test_store_pages(monkeypatch, offload):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
 
 
-def test_state_holds_no_graph():
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_state_holds_no_graph(variant):
     """A StreamState used with gradients enabled keeps no autograd graph (memory stays O(W +
-    chunks), not O(stream)), and the unfinished chunk's buffer is a copy, not a view that keeps
-    the whole segment alive."""
-    model = tiny_model(groups=(1, 1), dtype=torch.float32)
+    chunks), not O(stream); each segment's backward runs alone), and the unfinished chunk's buffer
+    is a copy, not a view that keeps the whole segment alive."""
+    model = tiny_model(groups=(1, 1), dtype=torch.float32, **variant)
     state = model.new_state()
     for seg in (tokens(model.config, 2, 45, seed=1), tokens(model.config, 2, 30, seed=2)):
         logits, _ = model(seg, state=state)
         assert logits.grad_fn is not None  # the call itself is differentiable
+        logits.sum().backward()  # would fail on a graph an earlier segment left in the state
     m = state.store
     held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.lm.pages + m.kv.pages + [state.chunk_buf]
     held += [t for p in state.picks + state.prefetched for t in p]
+    held += [c[0] for c in state.centers if c is not None]
     assert all(t is not None and t.grad_fn is None and not t.requires_grad for t in held)
     buf = state.chunk_buf
     assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
