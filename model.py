@@ -333,12 +333,13 @@ def retrieval_weights(q, picked, eligible, cfg):
 def center(h, before=None):
     """center_query: states h (B, n, C) at consecutive landmarks minus the running mean of all
     landmark states up to each, in fp32; before: (sum (B, 1, C), count) of earlier landmarks (a
-    stream's earlier segments), None at the start -> (centred h, the new before)."""
+    stream's earlier segments), None at the start -> (centred h, the new before, detached: a
+    stream keeps no graph)."""
     total, count = before if before is not None else (0.0, 0)
     h = upcast(h)
     sums = total + h.cumsum(1)  # (B, n, C)
     counts = count + torch.arange(1, h.size(1) + 1, device=h.device, dtype=h.dtype)[:, None]  # (n, 1)
-    return h - sums / counts, (sums[:, -1:], count + h.size(1))
+    return h - sums / counts, (sums[:, -1:].detach(), count + h.size(1))
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -818,9 +819,8 @@ def forward_segment(model, idx, state):
         made = None
         if n:
             h = to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
-            picks, w, before = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at, state.centers[g])
-            if before is not None:  # center_query's running sum, detached: like the store, a stream keeps no graph
-                state.centers[g] = before[0].detach(), before[1]
+            picks, w, state.centers[g] = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at,
+                                                        state.centers[g])
             made = picks + cfg.read_next, w
         mem = None
         if c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing earlier to read
