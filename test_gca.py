@@ -1303,13 +1303,14 @@ def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     train.main([os.path.join(HERE, "config/passkey_pretrain.py"), *small, f"--data_dir={data}", f"--out_dir={pre}"])
     hist = train.main([os.path.join(HERE, "config/passkey_finetune.py"), *small[2:], f"--init_from={pre}",
                        f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40",
-                       "--task_names=pool"])
+                       "--task_names=pool", "--block_size=504"])  # 16 keys need ~400 tokens
     assert [it for it, _ in hist] == [1, 2]
     a, b = load_ckpt(pre), load_ckpt(ft)
     assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1
     assert a["config"]["copy_frac"] == 0.5  # stage 1 learns copying on rows of random tokens
     assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey"  # one model, 2 tasks
-    assert b["config"]["task_names"] == "pool"
+    assert b["config"]["task_names"] == "pool" and b["config"]["task_keys"] == "2-16"  # more keys than top-k
+    assert b["config"]["task_templates"] == "key,number,id"  # "code" held out
     capsys.readouterr()
     sample.main([f"--out_dir={ft}", "--passkey", "--lengths=500,2K", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={data}/val.bin"])

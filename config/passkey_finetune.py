@@ -1,6 +1,6 @@
 # Stage 2 of the long-context recipe: fine-tune the model of config/passkey_pretrain.py on the
-# synthetic tasks (tasks.py: passkey and multi-key, one drawn per prompt), then test it far
-# beyond its 1,008-token training length.
+# synthetic tasks (tasks.py: passkey and multi-key with 2-16 keys, in three phrasings, one drawn per
+# prompt), then test it far beyond its 1,008-token training length.
 #   python train.py config/passkey_pretrain.py
 #   python train.py config/passkey_finetune.py
 #   python sample.py --out_dir=out-passkey --passkey --multikey --lengths=1K,4K,32K,256K,1M --offload --haystack=data/pg19/test.bin
@@ -20,7 +20,9 @@ task_haystack_frac = 0.5
 task_align = True
 task_min_depth = 256
 task_loss = "answer"
-task_names = "pool"  # multi-key's four names from ~12K words: trained on twenty, the models answered for those alone
+task_names = "pool"  # multi-key's names from ~12K words: trained on twenty, the models answered for those alone
+task_keys = "2-16"  # needles per multi-key prompt, drawn per row: more than top-k, so names must be matched
+task_templates = "key,number,id"  # three phrasings, one per row ("code" is held out for tests)
 eval_interval = 1000
 eval_iters = 4
 log_interval = 100
