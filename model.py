@@ -3,18 +3,16 @@ DRT: the Differentiable Retrieval-based Transformer with Grouped Cross-Attention
 file of PyTorch. Hu, Teng, Zhao, Wu, Tu: "Efficient Length-Generalizable Attention via Causal
 Retrieval for Long-Context Language Modeling", ICML 2025 (arXiv 2410.01651).
 
-The token stream is cut into chunks of S positions: S-1 text tokens and a landmark token that
-summarises them. Lower layers are a sliding-window transformer. A small bidirectional encoder
-turns each finished chunk into memory: per-token keys/values and a landmark vector l. In the
-upper layers the landmark of chunk t scores every earlier chunk (Eq. 1), keeps the top-k, and
-every token of chunk t+1 attends to each picked chunk separately; the k outputs are mixed with
-weights from the scores (GCA, Eq. 2 and 3). The weights carry the next-token loss back to the
-retriever, which so learns to fetch what helps predict the next chunk ("causal retrieval").
-Attention per token is constant (window + k*S), so the model runs at any length.
+The token stream is cut into chunks of S positions: S-1 text tokens and a landmark token. Lower
+layers are a sliding-window transformer. A small bidirectional encoder turns each finished chunk
+into memory: per-token keys/values and a landmark vector l. In the upper layers the landmark of
+chunk t scores every earlier chunk (Eq. 1), keeps the top-k, and every token of chunk t+1 attends
+to each pick separately; the k outputs are mixed with weights from the scores (GCA, Eq. 2 and 3),
+which carry the next-token loss back to the retriever ("causal retrieval"). Attention per token is
+constant (window + k*S), so the model runs at any length.
 
-Top to bottom in the order of §3: config -> ALiBi -> sliding-window attention -> chunks,
-landmarks and the chunk encoder -> retrieval -> GCA -> blocks -> the model, whose forward is
-the training path; last, streaming: O(W) caches, the chunk store, CPU offload.
+Sections in the order of §3: config -> ALiBi -> sliding-window attention -> chunks and the chunk
+encoder -> retrieval -> GCA -> blocks -> the model (its forward is the training path) -> streaming.
 
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
@@ -41,7 +39,7 @@ try:
 except ImportError:  # torch < 2.5: tiled SDPA everywhere
     flex_attention = None
 
-try:  # FlashGCA, the fused Triton kernels of GCA; where Triton is missing, the PyTorch reference serves
+try:  # FlashGCA, the fused Triton kernels of GCA; without Triton the PyTorch reference serves
     import gca_kernel
 except ImportError:
     gca_kernel = None
@@ -63,21 +61,21 @@ def upcast(x):
 @dataclass
 class DRTConfig:
     vocab_size: int = 50304      # GPT-2's 50257 ids + 1 landmark id, padded to a multiple of 64 (fast matmuls)
-    landmark_id: int = None      # the token inserted after every chunk_size-1 text tokens, never valid as input; None: 50257 (right after GPT-2's ids) if the vocabulary has room, else vocab_size - 1
+    landmark_id: int = None      # the id closing every chunk, never an input; None: 50257 if the vocabulary has room, else vocab_size - 1
     n_embd: int = 768            # model width d
     n_head: int = 12             # attention heads; head width n_embd // n_head
     n_lower: int = 6             # lower decoder layers: sliding-window self-attention + SwiGLU
     groups: tuple = (6,)         # upper layers per retrieval group, each group retrieves once; () = sliding-window baseline
     n_enc: int = 2               # bidirectional chunk-encoder layers that make the memory of a finished chunk
-    chunk_size: int = 64         # S, positions per chunk: S-1 text tokens + 1 landmark, so every tile is S wide
+    chunk_size: int = 64         # S, positions per chunk: S-1 text tokens + 1 landmark
     window: int = 512            # W, self-attention window in positions (landmarks count); a multiple of chunk_size
     topk: int = 8                # K, chunks retrieved per chunk; attention field = W + K*S positions
-    mlp_hidden: int = 0          # SwiGLU hidden width; 0 -> 8/3 * n_embd rounded up to a multiple of 64 (2048 at 768)
-    softmax_off_by_one: bool = True  # Eq. 3 weights exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
+    mlp_hidden: int = 0          # SwiGLU hidden width; 0 -> 8/3 * n_embd rounded up to a multiple of 64
+    softmax_off_by_one: bool = True  # Eq. 3 as exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
-    read_next: bool = False      # GCA reads the chunk after each pick (the pick's continuation, what predicts the next chunk when the pick matches this one) instead of the pick; Eq. 1 and 3 unchanged
-    center_query: bool = False   # Eq. 1's query from the landmark state minus its running mean over the sequence's landmarks: the states share one direction (~98% of their norm), whose match ranks chunks alike for every query
-    retriever: str = "learned"   # "learned": top-k of Eq. 1's scores; "random": uniformly random earlier chunks, weighted by Eq. 3 (Table 4's ablation); "none": weights 0, GCA reads nothing (the window-only floor)
+    read_next: bool = False      # GCA reads the chunk after each pick (its continuation) instead of the pick; Eq. 1 and 3 unchanged
+    center_query: bool = False   # Eq. 1's query minus the running mean of the landmark states, whose shared direction would rank chunks alike for every query
+    retriever: str = "learned"   # "learned": top-k of Eq. 1; "random": uniform earlier chunks, weighted by Eq. 3 (Table 4's ablation); "none": weights 0
 
     def __post_init__(self):
         self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
@@ -106,14 +104,13 @@ class DRTConfig:
 
 
 def window_reach(cfg):
-    """(n_lower + n_upper) x W: how far back the stacked windows see (only retrieval reaches
-    further). cfg: anything with n_lower, groups, window."""
+    """How far back the stacked windows see (retrieval alone reaches further); cfg: anything with
+    n_lower, groups and window."""
     return (cfg.n_lower + sum(cfg.groups)) * cfg.window
 
 
 # -----------------------------------------------------------------------------
-# Positions: ALiBi, bias = -slope * (i - j) from int64 positions: only distances inside the window,
-# exact at any absolute position (fp32 RoPE angles pos*freq lose whole radians near 1.6e7).
+# Positions: ALiBi, bias = -slope * (i - j), from int64 positions: exact at any absolute position.
 
 
 def alibi_slopes(n_head):
@@ -126,8 +123,8 @@ def alibi_slopes(n_head):
 
 
 def alibi_bias(q_pos, k_pos, slopes, window=None):
-    """Additive bias (H, Lq, Lk) from int64 positions (Lq,), (Lk,). window=W: causal sliding window,
-    key j visible to query i iff 0 <= i - j < W; None: bidirectional (in a chunk), -slope * |i - j|."""
+    """Additive bias (H, Lq, Lk) from int64 positions (Lq,), (Lk,). window=W: causal, key j visible
+    to query i iff 0 <= i - j < W; None: bidirectional (inside a chunk), -slope * |i - j|."""
     d = q_pos[:, None] - k_pos[None, :]  # (Lq, Lk) int64: differences first, so exact at any position
     if window is None:
         return -slopes[:, None, None] * d.abs().float()
@@ -176,15 +173,13 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
 # band's structure, so only the tiles the window touches are computed, and ALiBi as a score_mod.
 
 FLEX_TILE = 128  # the BlockMask's tile (FlexAttention's BLOCK_SIZE)
-# bf16/fp16 kernel tiles on CUDA, found once by max-autotune at the training shape (tuning costs minutes)
 FLEX_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
-                "num_warps": 4, "num_stages": 3}
+                "num_warps": 4, "num_stages": 3}  # CUDA kernel tiles for bf16/fp16, tuned at the training shape
 
 
 def window_block_mask(L, W, device, tile=FLEX_TILE):
-    """The causal window 0 <= i - j < W over L positions as a BlockMask, from the band's shape
-    (never an L x L mask): query tile i meets key tiles i - t, t = 0 .. n. Tiles t = 1 .. f lie
-    wholly inside the window ('full': no mask to apply); t = 0 and t = f+1 .. n are partial."""
+    """The causal window 0 <= i - j < W over L positions as a BlockMask, never an L x L mask: query
+    tile i meets key tiles i - t, t = 0 .. n; t = 1 .. f lie wholly inside the window ('full')."""
     f = max(0, (W - tile) // tile)  # t * tile + tile - 1 < W: every pair inside the window
     n = (W + tile - 2) // tile  # t * tile - tile + 1 <= W - 1: some pair inside
     nq = cdiv(L, tile)
@@ -209,12 +204,12 @@ def _compiled_flex():
 
 
 def flex_window_attention(q, k, v, window, slopes, tile=FLEX_TILE):
-    """window_attention of a whole sequence through FlexAttention, q, k, v (B, H, L, D): compiled on
-    a GPU (inside torch.compile, the model's compile covers it), the unfused reference on a CPU."""
+    """window_attention of a whole sequence, q, k, v (B, H, L, D): compiled on a GPU (under the
+    model's torch.compile, that compile covers it), the unfused reference on a CPU."""
     def alibi(score, b, h, q_idx, kv_idx):  # q_idx, kv_idx: positions in the sequence, exact
         return score - slopes[h] * (q_idx - kv_idx)
     attend = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
-    options = FLEX_OPTIONS if q.is_cuda and q.element_size() == 2 else None  # tuned for bf16/fp16 tiles
+    options = FLEX_OPTIONS if q.is_cuda and q.element_size() == 2 else None
     return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, tile),
                   kernel_options=options)
 
@@ -252,9 +247,9 @@ def insert_landmarks(idx, cfg, n0=0):
 
 
 class ChunkEncoder(nn.Module):
-    """Bidirectional encoder of finished chunks (§3.1): last-lower-layer states -> the landmark
-    vector l (the landmark slot's state) and per-token keys/values, ONE pair of projections for all
-    upper layers. The landmark slot's key/value are zero: a sink (logit 0) for queries matching none."""
+    """Bidirectional encoder of finished chunks (§3.1) -> per-token keys/values (one projection for
+    all upper layers) and the landmark vector l. The landmark slot's key/value are zero: a sink
+    (logit 0) for queries that match nothing."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -265,7 +260,7 @@ class ChunkEncoder(nn.Module):
         is_landmark = torch.arange(cfg.chunk_size).view(-1, 1, 1, 1) == cfg.chunk_size - 1  # (S, 1, 1, 1)
         self.register_buffer("is_landmark", is_landmark, persistent=False)
 
-    def forward(self, x):  # x (B, n, S, C) -> kv (B, n, S, 2, H, D), l (B, n, C)
+    def forward(self, x):  # x (B, n, S, C) last-lower-layer states -> kv (B, n, S, 2, H, D), l (B, n, C)
         B, n, S, C = x.shape
         h = self.ln_in(x.reshape(B * n, S, C))
         for block in self.blocks:
@@ -283,18 +278,17 @@ class ChunkEncoder(nn.Module):
 
 @torch.no_grad()
 def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
-    """Eq. 1: for each query landmark (chunk t), the k best-scoring chunks j < t, as a running top-k
-    page by page (never an n x M score matrix). q (B, n, C); pages: the landmarks l_j, consecutive
-    (B, m, C); chunk_ids (n,) -> (idx, eligible) (B, n, k). noise: + Gumbel(0, 1) (training);
-    uniform: random scores, k earlier chunks drawn uniformly."""
+    """Eq. 1: for the query q (B, n, C) of each chunk t in chunk_ids (n,), the k best-scoring chunks
+    j < t, a running top-k over pages of landmarks l_j (consecutive (B, m, C)), never an n x M score
+    matrix -> (idx, eligible) (B, n, k). noise: + Gumbel(0, 1); uniform: random scores."""
     B, n, C = q.shape
     q = upcast(q)
     best_s = q.new_full((B, n, k), float("-inf"))
     best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
     m0 = 0
     for lm in pages:  # (B, m, C)
-        # fp32 whatever the autocast: in bf16, rounding would decide near-ties among a million
-        # chunks, and a stream decoded token by token would pick other chunks than one forward
+        # fp32 under any autocast: in bf16, rounding would decide near-ties, and a stream decoded
+        # token by token would pick other chunks than one forward
         with torch.autocast(q.device.type, enabled=False):
             s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, m)
         if uniform:
@@ -312,9 +306,8 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
 
 
 def softmax_off_by_one(r, off_by_one=True):
-    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim; -inf entries (and all -inf
-    rows) get 0. The 1 is a virtual chunk of score 0 and empty output: a group may ignore poor
-    picks. off_by_one=False: the release's plain softmax."""
+    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries get 0. The 1 is
+    a virtual chunk of score 0 and empty output: a group may ignore poor picks. False: plain softmax."""
     m = r.amax(-1, keepdim=True)
     m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
     e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
@@ -331,15 +324,13 @@ def retrieval_weights(q, picked, eligible, cfg):
 
 
 def center(h, before=None):
-    """center_query: states h (B, n, C) at consecutive landmarks minus the running mean of all
-    landmark states up to each, in fp32; before: (sum (B, 1, C), count) of earlier landmarks (a
-    stream's earlier segments), None at the start -> (centred h, the new before, detached: a
-    stream keeps no graph)."""
+    """center_query: h (B, n, C) at consecutive landmarks minus the running mean of all landmark states
+    up to each, in fp32; before: (sum (B, 1, C), count) of earlier ones or None -> (h centred, before)."""
     total, count = before if before is not None else (0.0, 0)
     h = upcast(h)
     sums = total + h.cumsum(1)  # (B, n, C)
     counts = count + torch.arange(1, h.size(1) + 1, device=h.device, dtype=h.dtype)[:, None]  # (n, 1)
-    return h - sums / counts, (sums[:, -1:].detach(), count + h.size(1))
+    return h - sums / counts, (sums[:, -1:].detach(), count + h.size(1))  # detached: a stream keeps no graph
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -354,8 +345,8 @@ def read_one_chunk_later(carried, made, n_chunks):
 
 
 def retrieval_stats(records, K):
-    """DRT.record's retrievals [(chunk ids (n,), idx, w (B, n, K))] -> means over landmarks with an
-    earlier chunk of sum w, max w, entropy of w / sum w (log K: uniform), distance in chunks."""
+    """DRT.record's [(chunk ids (n,), idx, w (B, n, K))] -> means over landmarks with an earlier chunk
+    of sum w, max w, entropy of w / sum w (log K: uniform) and distance in chunks."""
     sums, maxes, ents, dists = [], [], [], []
     for t, idx, w in records:
         ok = (torch.arange(K, device=w.device) < t.clamp(max=K)[:, None]).expand_as(w)  # eligible picks come first
@@ -374,8 +365,8 @@ def retrieval_stats(records, K):
 # -----------------------------------------------------------------------------
 # Grouped cross-attention (Eq. 2). For the S queries of a chunk and its K retrieved chunks:
 #     o = sum_i w_i * softmax(q K_i^T / sqrt(D)) V_i
-# Each retrieved chunk gets its own softmax, and the weights w_i (from the retrieval scores)
-# scale whole outputs, so the loss reaches the retriever (chunked cross-attention's one softmax would not).
+# Each retrieved chunk gets its own softmax and w_i scales its whole output, so the loss reaches
+# the retriever (one softmax over all picks, as in chunked cross-attention, would not).
 
 GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA, PyTorch elsewhere; "triton" / "torch" force one
 
@@ -411,13 +402,12 @@ def gca(q, k_mem, v_mem, idx, w):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
+    def __init__(self, dim):
         super().__init__()
-        self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):  # in fp32: the residual stream may be bf16 under autocast
-        return (F.rms_norm(upcast(x), (x.size(-1),), eps=self.eps) * self.weight).to(x.dtype)
+        return (F.rms_norm(upcast(x), (x.size(-1),), eps=1e-6) * self.weight).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -470,9 +460,9 @@ class Block(nn.Module):
 
 
 class UpperBlock(Block):
-    """Upper decoder layer (§3.1): sliding-window self-attention, then GCA over the retrieved
-    chunks, whose output feeds the MLP's input but not the residual stream (as in the authors'
-    release): h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))"""
+    """Upper decoder layer (§3.1): sliding-window self-attention, then GCA over the retrieved chunks
+    into the MLP's input, not the residual stream (as in the authors' release):
+    h1 = x + SelfAttn(norm(x));  o = GCA(q_proj(norm(h1)));  out = h1 + MLP(norm(h1 + o))"""
 
     def __init__(self, cfg):
         super().__init__(cfg, causal=True)
@@ -492,14 +482,13 @@ class UpperBlock(Block):
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
 
-CE_ROWS = 4096  # rows of logits LinearCrossEntropy holds at a time: 4096 x 50,304 fp32 = 0.8 GB
+CE_ROWS = 4096  # rows of logits LinearCrossEntropy holds at a time
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), CE_ROWS rows at a
     time, never holding the (N, V) logits: x (N, C), weight (V, C), targets (N,) -> a scalar. The
-    forward also makes the gradients a backward will use (softmax - onehot; none under no_grad),
-    the backward only scales them."""
+    forward makes the gradients a backward will use (none under no_grad); the backward scales them."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, grad_enabled):
@@ -523,7 +512,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 g = ((z - lse).exp() - onehot.to(acc)) * valid
             else:  # eager: in place, one (rows, V) buffer
                 g = (z - lse).exp_().scatter_add_(1, hit, -valid).mul_(valid)
-            g = g.to(logits.dtype)  # d loss_sum / d logits
+            g = g.to(logits.dtype)  # d loss_sum / d logits: softmax - onehot
             if want_dx:
                 dx[s : s + CE_ROWS] = g @ weight
             if want_dw:
@@ -593,9 +582,8 @@ class DRT(nn.Module):
 
     def forward(self, idx, targets=None, state=None, return_logits=True):
         """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean
-        cross-entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=
-        False: logits None, the loss never holding (B, T, vocab). state=None: one whole sequence
-        (training), written out below; else a StreamState to continue (the last section)."""
+        cross-entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=False:
+        logits None, the loss never holding (B, T, vocab). state: a StreamState to continue, else training."""
         self.check_input(idx, targets)
         if state is not None:
             return self.logits_and_loss(*forward_segment(self, idx, state), idx.size(1), targets, return_logits)
@@ -668,8 +656,8 @@ class DRT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
-        """Continue idx (B, T) by max_new_tokens, one token per step, through a stream (§3.2): the
-        prompt is prefilled in segments of prefill_segment tokens. -> (B, max_new_tokens) new ids."""
+        """Continue idx (B, T) by max_new_tokens through a stream (§3.2): the prompt prefilled in
+        segments of prefill_segment tokens, then one token per step -> (B, max_new_tokens) new ids."""
         state = state if state is not None else self.new_state()
         for s in range(0, idx.size(1), prefill_segment):
             logits, _ = self(idx[:, s : s + prefill_segment], state=state)
@@ -740,8 +728,7 @@ class PagedTensor:
     def views(self):  # the stored rows, page by page: [(B, rows, ...)]
         return [page[:, : self.n - start] for page, start in zip(self.pages, self.starts)]
 
-    def take(self, rows):
-        """rows (U,) int64 (on the pages' device) -> (B, U, ...): one copy per page touched."""
+    def take(self, rows):  # rows (U,) int64 on the pages' device -> (B, U, ...), one copy per page touched
         at_page = torch.searchsorted(torch.tensor(self.starts, device=rows.device), rows, right=True) - 1  # (U,)
         first = self.pages[0]
         out = first.new_empty(first.size(0), len(rows), *first.shape[2:], pin_memory=self.pin)
@@ -757,7 +744,7 @@ class ChunkStore:
     device: GPU memory grows by the landmarks alone (§3.2)."""
 
     LM_PAGES = (256, 65536)  # landmark pages: rows of the first page, rows of the largest
-    KV_PAGES = (64, 16384)  # key/value pages: the same, so at 1M chunks a gather touches <= ~70 pages
+    KV_PAGES = (64, 16384)  # key/value pages: the same
 
     def __init__(self, device, offload=False):
         self.kv = PagedTensor(*self.KV_PAGES, "cpu" if offload else device)
