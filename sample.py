@@ -11,10 +11,9 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
     python sample.py --out_dir=out-lm --inspect --docs=data/pg19/test.bin --at=200000
 
 The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture flags.
-Prompts of any length are prefilled in segments and continued token by token with O(W)
-self-attention caches (§3.2 of the paper); --offload keeps the chunk memory (every past chunk's
-keys and values) in host memory and brings only the retrieved chunks to the GPU. Every argument
-is checked before the checkpoint loads, so a typo costs no load time.
+Prompts of any length are prefilled in segments, then decoded with O(W) self-attention caches
+(§3.2 of the paper); --offload keeps the chunk memory in host memory and brings only the retrieved
+chunks to the GPU. Every argument is checked before the checkpoint loads.
 """
 
 import argparse
@@ -47,7 +46,7 @@ def error(msg):
 
 
 def load_model(path, device):
-    """The DRT that train.py saved at path (a ckpt.pt or its out_dir), in eval mode -> (model, checkpoint)."""
+    """train.py's DRT at path (a ckpt.pt or its out_dir), in eval mode -> (model, checkpoint)."""
     path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         error(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
@@ -86,7 +85,7 @@ def as_batch(model, ids):
 
 
 def generate(model, enc, prompt, args, ctx):
-    """Print --num_samples continuations of the prompt, each after the prompt's last 500 characters."""
+    """Print --num_samples continuations, each after the prompt's last 500 characters."""
     x = as_batch(model, enc.encode_ordinary(prompt) or [enc.eot_token])  # (1, T)
     for _ in range(args.num_samples):
         with ctx:
@@ -101,10 +100,9 @@ def generate(model, enc, prompt, args, ctx):
 # what retrieval picked; in-context copying (--copying); the loss by position (--ppl); the picks
 # themselves (--inspect, §4.4)
 
-
 LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
 MAX_LENGTH = 2**26  # 64M tokens: the longest --lengths takes
-PROGRESS_AFTER = 10  # seconds between progress lines: long work says how far it got, short work stays quiet
+PROGRESS_AFTER = 10  # seconds between progress lines: short work stays quiet
 
 
 class Progress:
@@ -131,9 +129,8 @@ def prefill(model, ids, state, segment, progress=None):
 
 
 def answer_prompt(model, prompt, n, state, segment, progress=None):
-    """Prefill the prompt, decode n tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))] per
-    upper group: the picks that served the prompt's last token). They are read before that token goes
-    in (it may close a chunk, whose landmark picks anew): model.generate gets it, prefill the rest."""
+    """Prefill the prompt, decode n tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))] per upper
+    group: the picks that served the prompt's last token, read before it goes in, as it may close a chunk)."""
     prefill(model, prompt[:-1], state, segment, progress)
     picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
     out = model.generate(as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
@@ -147,18 +144,17 @@ def needle_chunk(prompt, answer, T):
 
 
 def in_reach(prompt, answer, T, reach):
-    """Whether the answer's last mention lies within `reach` positions (landmarks counted, one per T text
-    tokens) of the prompt's last token, where the windows can copy it (< reach errs toward "in reach")."""
+    """Whether the answer's last mention lies within `reach` positions (a landmark per T text tokens) of the
+    prompt's last token, where the windows can copy it."""
     i = occurrences(prompt, answer)[-1] + len(answer) - 1
     return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
 
 
 def needle_picks(prompt, answer, picks, T):
-    """Retrieval's part in one answer -> (found: the needle's chunk, or the next, whose memory saw it
-    through the lower windows, was picked with weight > 0; hit@1: one of them got the largest weight of
-    some upper group; their weight (Eq. 3), mean over the groups), or None where retrieval cannot pick
-    it (in the last two chunks: chunk c reads what chunk c-1's landmark picked among chunks < c-1).
-    With several needles, hit@1 (not found) fails a retriever that picks every key's chunk."""
+    """Retrieval's part in one answer -> (found: the needle's chunk, or the next whose memory saw it, picked
+    with weight > 0; hit@1: one of them got some upper group's largest weight; their weight (Eq. 3), mean over
+    the groups), or None in the last two chunks, which retrieval cannot pick (chunk c reads what chunk c-1's
+    landmark picked among chunks < c-1)."""
     need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
     if not picks or need is None or need >= last - 1:
         return None
@@ -169,7 +165,7 @@ def needle_picks(prompt, answer, picks, T):
 
 
 def wilson(k, n, z=1.96):
-    """The Wilson score interval of k successes in n: unlike p +- z*se, inside [0, 1] and not empty at 0/n, n/n."""
+    """The Wilson score interval of k successes in n: inside [0, 1], and not empty at 0/n or n/n."""
     p, d = k / n, 1 + z * z / n
     mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return max(0.0, mid - half), min(1.0, mid + half)
@@ -187,13 +183,13 @@ def prompt_kwargs(args, cfg=None, depth=None):
 
 
 def prompt_seed(seed, task, L, i):
-    """The seed of test prompt i of `task` at length L: the same prompts for every model and run."""
+    """Test prompt i's seed: the same prompts for every model and run."""
     return f"{seed}-{task}-{L}-{i}"
 
 
 def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
-    """A length too short for the prompts run_task will draw is an error now, naming the shortest that
-    works. Without cfg (before the checkpoint loads) prompts are not cut to its chunks."""
+    """Refuse a length too short for run_task's prompts, naming the shortest that works; without cfg
+    (before the checkpoint loads) prompts are not cut to its chunks."""
     align, kw = None if cfg is None or args.no_align else cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
     for task in tasks:
         # the longest of 64 probes: whether a length passes must not hang on the luck of its own seeds
@@ -227,7 +223,7 @@ def check_memory(model, L, args):
 
 @torch.no_grad()
 def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
-    """Accuracy of `task` at each context length, one table row per length. depth: one --depth bin."""
+    """Accuracy of `task` at each context length, a table row each; depth: one --depth bin."""
     device, cfg = next(model.parameters()).device, model.config
     align = None if args.no_align else cfg.chunk_size - 1
     kw, T, reach = prompt_kwargs(args, cfg, depth), cfg.chunk_size - 1, window_reach(cfg)
@@ -235,7 +231,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
                (f"{args.digits}-digit numbers", args.digits != 5),
                (f"the asked needle at depth {depth}", depth not in (None, "reach")),
                ("the asked key just past the windows' reach", depth == "reach"),
-               ("names unseen in training", args.unseen_names and task == "multikey")]  # the title names them
+               ("names unseen in training", args.unseen_names and task == "multikey")]
     print(f"\n{task}, retrieval {cfg.retriever}: {args.samples} samples per length, "
           f"{'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
@@ -286,16 +282,14 @@ def copy_span(cfg):
 
 
 def copy_far_span(cfg):
-    """Tokens per far span, as train.py's far copy rows: the windows' reach plus 8, so that (landmarks
-    taking room too) no chain of windows reaches back: only retrieval can copy it."""
+    """Tokens per far span, as train.py's far copy rows: past the windows' reach, landmarks taking room too."""
     return window_reach(cfg) + 8
 
 
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
-    """Induction, which answering by a name (multi-key, 2-hop) builds on: the mean loss on each pass of spans
-    seen 3 times in a row in the window, and of spans past the windows' reach seen twice, whose copy must
-    come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
+    """The mean loss on each pass of spans seen 3 times in a row in the window, and of spans past the windows'
+    reach seen twice, whose copy must come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
     device, cfg = next(model.parameters()).device, model.config
     L, L_far = copy_span(cfg), copy_far_span(cfg)
     rng, n = random.Random(f"{args.seed}-copying"), args.samples
@@ -334,8 +328,7 @@ PPL_SEGMENT = 16384  # --ppl holds one segment's (segment, vocab) logits at a ti
 
 
 def read_docs(path, enc, max_tokens=None):
-    """--docs -> [(name, token ids)], each at most max_tokens long: the .txt of a folder, one .txt,
-    or a .bin of prepare_pg19.py cut at its <|endoftext|> tokens."""
+    """--docs (a folder of .txt, one .txt, or a .bin cut at its <|endoftext|>) -> [(name, ids)], at most max_tokens."""
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
         if not files:
@@ -361,8 +354,7 @@ def read_docs(path, enc, max_tokens=None):
 
 @torch.no_grad()
 def doc_nll(model, ids, args, ctx, name="document"):
-    """The loss of every token of a document streamed from its start in segments, as the tests stream
-    their prompts -> (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
+    """Every token's loss, the document streamed from its start -> (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
     x = as_batch(model, ids)  # (1, n)
     state, seg, nll = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), []
     progress = Progress(name, x.size(1) - 1)
@@ -376,8 +368,7 @@ def doc_nll(model, ids, args, ctx, name="document"):
 
 
 def perplexity(model, docs, modes, args, ctx):
-    """--ppl: perplexity per position bucket for each retrieval mode, and model.retrieval_stats
-    -> {mode: [(tokens, mean loss) per bucket, then over all]}."""
+    """--ppl: perplexity by position, a column per retrieval mode -> {mode: [(tokens, mean loss) per bucket, all]}."""
     n_tok = sum(len(d) - 1 for _, d in docs)
     print(f"\nperplexity by position: {len(docs)} document(s), {n_tok:,} tokens, each streamed from its first token "
           f"in segments of {min(args.segment, PPL_SEGMENT):,}")
@@ -409,8 +400,8 @@ def perplexity(model, docs, modes, args, ctx):
 
 @torch.no_grad()
 def inspect(model, enc, docs, at, args, ctx):
-    """--inspect, the paper's case studies: the chunks each group retrieved (at the landmark before it) for the
-    chunk holding token `at` of the first document, with weights and distances -> [(group, [(chunk, w)] by w)]."""
+    """--inspect (§4.4's case studies): the chunks each group retrieved, at the landmark before it, for the chunk
+    holding token `at` of the first document -> [(group, [(chunk, w)] by w)]."""
     name, ids = docs[0]
     T = model.config.chunk_size - 1
     c = min(at, len(ids) - 1) // T  # the chunk being predicted
@@ -435,58 +426,56 @@ def inspect(model, enc, docs, at, args, ctx):
 # The command line: every argument checked before the checkpoint loads, which can take minutes
 
 
-def check_args(args):
-    """The arguments that need no file or tokenizer."""
-    for name in ("segment", "samples", "num_samples", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            error(f"--{'samples_per_length' if name == 'samples' else name}={getattr(args, name)}: must be >= 1")
-    if not args.temperature >= 0:
-        error(f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)")
-    if args.top_k < 0:
-        error(f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        error(f"--device={args.device}: expected cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        error(f"--device={args.device}: no CUDA GPU here: pass --device=cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        error(f"--device={args.device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
-    if args.unseen_names and not args.multikey:
-        error("--unseen_names: only multi-key has names: add --multikey")
-    if not 2 <= args.keys <= 16 or (args.keys != 4 and not args.multikey):
-        error(f"--keys={args.keys}: multi-key's needle count, 2 to 16 (4 as trained): use it with --multikey")
-    if not 3 <= args.digits <= 7:
-        error(f"--digits={args.digits}: keys of 3 to 7 digits (5 as trained)")
-    if args.template not in TEMPLATES or (args.template != "key" and not (args.passkey or args.multikey)):
-        error(f"--template={args.template}: passkey's and multi-key's phrasing, one of {', '.join(TEMPLATES)}")
-    if args.depth and args.vartrack:
-        error("--depth: 2-hop's needles keep their order (a variable is set before it is copied): drop --vartrack")
-    depth_bins(args.depth)
-    if (args.ppl or args.inspect) and not args.docs:
-        error("--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)")
-    if args.max_tokens is not None and args.max_tokens < 2:
-        error(f"--max_tokens={args.max_tokens}: must be >= 2")
-    if any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")):
-        error(f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")
-    if device.type == "cpu" and args.dtype != "float32":
-        error(f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype")
-    if args.copying and args.lengths != LENGTHS and not any(getattr(args, t) for t in TASKS):
-        error(f"--lengths={args.lengths}: --copying has spans of its own lengths; --lengths is for "
-              f"--passkey, --multikey, --vartrack")
-
-
 def depth_bins(text):
-    """--depth -> [None] (the needles at random depths), or its bins: fractions and 'reach'."""
+    """--depth -> [None] (the needles at random depths), or its bins (fractions and 'reach'); None if bad."""
     if text is None:
         return [None]
     try:
         bins = [t if t == "reach" else float(t) for t in text.split(",")]
     except ValueError:
-        bins = [math.nan]
-    if not all(b == "reach" or 0 <= b <= 1 for b in bins):
-        error(f"--depth={text}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9")
-    return bins
+        return None
+    return bins if all(b == "reach" or 0 <= b <= 1 for b in bins) else None
+
+
+def check_args(args):
+    """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
+    for name in ("segment", "samples", "num_samples", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            error(f"--{'samples_per_length' if name == 'samples' else name}={getattr(args, name)}: must be >= 1")
+    try:
+        device = torch.device(args.device)
+        kind, index = device.type, device.index or 0
+    except RuntimeError:
+        kind = index = None
+    gpus = torch.cuda.device_count()
+    for bad, msg in [
+        (not args.temperature >= 0, f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)"),
+        (args.top_k < 0, f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)"),
+        (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
+        (kind == "cuda" and not torch.cuda.is_available(), f"--device={args.device}: no CUDA GPU here: pass --device=cpu"),
+        (kind == "cuda" and index >= gpus, f"--device={args.device}: this machine has {gpus} GPU(s), numbered from 0"),
+        (args.unseen_names and not args.multikey, "--unseen_names: only multi-key has names: add --multikey"),
+        (not 2 <= args.keys <= 16 or (args.keys != 4 and not args.multikey),
+         f"--keys={args.keys}: multi-key's needle count, 2 to 16 (4 as trained): use it with --multikey"),
+        (not 3 <= args.digits <= 7, f"--digits={args.digits}: keys of 3 to 7 digits (5 as trained)"),
+        (args.template not in TEMPLATES or (args.template != "key" and not (args.passkey or args.multikey)),
+         f"--template={args.template}: passkey's and multi-key's phrasing, one of {', '.join(TEMPLATES)}"),
+        (args.depth and args.vartrack,
+         "--depth: 2-hop's needles keep their order (a variable is set before it is copied): drop --vartrack"),
+        (depth_bins(args.depth) is None,
+         f"--depth={args.depth}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9"),
+        ((args.ppl or args.inspect) and not args.docs,
+         "--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)"),
+        (args.max_tokens is not None and args.max_tokens < 2, f"--max_tokens={args.max_tokens}: must be >= 2"),
+        (any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")),
+         f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them"),
+        (kind == "cpu" and args.dtype != "float32",
+         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
+        (args.copying and args.lengths != LENGTHS and not any(getattr(args, t) for t in TASKS),
+         f"--lengths={args.lengths}: --copying has spans of its own lengths; --lengths is for "
+         f"--passkey, --multikey, --vartrack")]:
+        if bad:
+            error(msg)
 
 
 def load_haystack(path, enc):
@@ -495,8 +484,7 @@ def load_haystack(path, enc):
         return Haystack(path, enc)
     except (OSError, ValueError) as e:  # missing, empty or unreadable
         why = str(e).rstrip(".")
-        if not why.startswith("--haystack"):  # numpy's or the OS's words: name the file
-            why = f"--haystack {path}: {why}"
+        why = why if why.startswith("--haystack") else f"--haystack {path}: {why}"  # numpy's or the OS's words
         error(f"{why}: give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for "
               f"the synthetic filler")
 
@@ -561,13 +549,10 @@ def main(argv=None):
     prompt = None if testing else read_prompt(args.prompt)
     try:
         enc = get_tokenizer(args.tokenizer_file)
+        lengths = parse_lengths(args.lengths) if tasks else None
     except (OSError, RuntimeError, ValueError) as e:
         error(e)
     if tasks:
-        try:
-            lengths = parse_lengths(args.lengths)
-        except ValueError as e:
-            error(e)
         if max(lengths) > MAX_LENGTH:
             error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
                   f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
@@ -580,8 +565,8 @@ def main(argv=None):
     cfg = model.config
     print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): "
           f"{model.num_params() / 1e6:.1f}M parameters, {cfg}")
-    cuda, dtype = torch.device(args.device).type == "cuda", getattr(torch, args.dtype)
-    ctx = torch.autocast("cuda", dtype=dtype) if cuda and dtype != torch.float32 else nullcontext()
+    cuda = torch.device(args.device).type == "cuda"
+    ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
     if not testing:
         return generate(model, enc, prompt, args, ctx)
 
