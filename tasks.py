@@ -20,8 +20,9 @@ the question, so retrieval knows what is asked (the paper pads its prompts the s
 landmark falls before "is"). Unaligned, the landmark before the answer saw only part of the
 question, or none of it.
 
-Training rows (train.py): TaskRows draws train.py's batches of these tasks from its task_* keys;
-copy_row and repeat_passage are the rows it mixes into a text dataset (--copy_frac, --repeat_frac).
+Training rows (train.py): TaskRows draws train.py's batches of these tasks from its task_* keys,
+TextRows those of a prepared text dataset, with copy_row and repeat_passage rows mixed in
+(--copy_frac, --repeat_frac).
 
     from tasks import make_example, get_batch
     prompt, answer = make_example("passkey", 4096, random.Random(0), enc, align=63)
@@ -29,6 +30,7 @@ copy_row and repeat_passage are the rows it mixes into a text dataset (--copy_fr
 
 import functools
 import itertools
+import json
 import os
 import random
 import re
@@ -36,8 +38,8 @@ import re
 import numpy as np
 import torch
 
-from common import max_token_id
-from common import GPT2_VOCAB, get_tokenizer
+from common import GPT2_VOCAB, get_tokenizer, max_token_id
+from model import window_reach
 
 TASKS = ("passkey", "multikey", "vartrack")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -279,11 +281,50 @@ class TaskRows:
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
-    def batch(self, rng, answer_only):
-        """x, y (B, T) on the CPU: get_batch with the run's keys."""
-        c = self.c
+    def batch(self, split, rng, training):
+        """x, y (B, T) on the CPU: get_batch with the run's keys, the same for both splits. Evaluation scores
+        the answer alone: that is the task."""
+        c, answer_only = self.c, not training or self.c.task_loss == "answer"
         return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
                          answer_only, c.task_min_depth, self.align, self.names, self.keys, self.templates)
+
+
+class TextRows:
+    """train.py's batches of a prepared text dataset (data_dir/train.bin, val.bin of prepare_pg19.py):
+    random windows, with copy and repeat rows mixed into training (c: train.py's config). ValueError
+    or OSError where the data is missing, shorter than a row, or of another vocabulary."""
+
+    def __init__(self, c):
+        data_dir = c.data_dir or os.path.join("data", c.dataset)
+        prepare = f"python prepare_pg19.py --source /path/to/pg19 --out {data_dir}"
+        if not os.path.isfile(os.path.join(data_dir, "meta.json")):  # prepare_pg19.py writes it last
+            raise ValueError(f"{data_dir}/meta.json not found: prepare the data first, e.g. {prepare} "
+                             f"(or --dataset={'|'.join(TASKS)})")
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            self.c, self.vocab, self.splits, self.reach = c, json.load(f)["vocab_size"], {}, window_reach(c)
+        for split in ("train", "val"):
+            path = os.path.join(data_dir, f"{split}.bin")
+            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            if len(tokens) < c.block_size + 1:
+                raise ValueError(f"{path} has {len(tokens):,} tokens, fewer than block_size+1={c.block_size + 1:,}; "
+                                 f"lower --block_size")
+            if (top := max_token_id(tokens)) >= self.vocab:  # on a sample: the ids of another tokenizer?
+                raise ValueError(f"{path} holds token id {top}, outside vocab_size={self.vocab} of its meta.json: "
+                                 f"prepare the data again, e.g. {prepare}")
+            self.splits[split] = (path, len(tokens))
+
+    def batch(self, split, rng, training):
+        """x, y (B, T) on the CPU; copy_frac and repeat_frac change training rows alone."""
+        c, (path, n) = self.c, self.splits[split]
+        data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
+        rows = [np.asarray(data[s : s + c.block_size + 1], dtype=np.int64)
+                for s in (rng.randrange(n - c.block_size) for _ in range(c.batch_size))]
+        if training and c.repeat_frac:
+            rows = [repeat_passage(r, rng, self.reach) if rng.random() < c.repeat_frac else r for r in rows]
+        if training and c.copy_frac:
+            rows = [copy_row(len(r), rng, self.vocab, self.reach) if rng.random() < c.copy_frac else r for r in rows]
+        xy = torch.from_numpy(np.stack(rows))  # (B, T+1)
+        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
 
 
 def copy_row(n, rng, vocab, reach):

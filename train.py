@@ -12,13 +12,9 @@ Train DRT (or its sliding-window baseline) on PG19 or on synthetic long-context 
 
 PG19 must be prepared first: python prepare_pg19.py --source /path/to/pg19 --out data/pg19.
 Config files, then --key=value, change the hyperparameters below and the model's (configurator.py).
-Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues;
-a second Ctrl-C stops at once. A resumed run takes the checkpoint's config, changed by what is given now.
-
-Resume is exact: every random draw of a step (the data windows, the model's Gumbel noise) is a function
-of (seed, iteration, global micro-batch index) and the learning rate one of the iteration, so a
-checkpoint needs no RNG state, a resumed run repeats an uninterrupted one bit for bit, and the global
-batch does not depend on how it is split over GPUs and accumulation steps.
+Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues (a
+second Ctrl-C stops at once). A resumed run takes the checkpoint's config, changed by what is given now,
+and repeats an uninterrupted one bit for bit, whatever the GPU count (step_rng).
 """
 
 import dataclasses
@@ -34,15 +30,14 @@ import types
 from contextlib import nullcontext
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tasks
-from common import CheckpointError, fmt_time, load_checkpoint, max_token_id, peak_flops, peak_mem_gib, unwritable
+from common import CheckpointError, fmt_time, load_checkpoint, peak_flops, peak_mem_gib, unwritable
 from configurator import ConfigError, configure, keys_of, print_help
-from model import DRT, DRTConfig, retrieval_stats, window_reach
+from model import DRT, DRTConfig, retrieval_stats
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
 # I/O
@@ -137,56 +132,20 @@ def check_config(config):
 
 
 class Data:
-    """The run's batches: of a prepared text dataset (data_dir/train.bin, val.bin), copy and repeat
-    rows mixed into training, or of synthetic tasks (tasks.TaskRows). A batch is a function of
-    (split, rng) alone. Everything is checked here, before a model is built or out_dir made."""
+    """The run's batches, each a function of (split, rng) alone: tasks.TextRows (a prepared text dataset, with
+    copy and repeat rows mixed into training) or tasks.TaskRows. Checked before a model is built or out_dir made."""
 
     def __init__(self, c, device):
-        self.c, self.device, self.tasks = c, device, None
-        if is_tasks(c.dataset):
-            try:
-                self.tasks = tasks.TaskRows(c)
-            except (OSError, ValueError) as e:
-                raise ConfigError(e) from None
-            self.vocab = self.tasks.vocab
-            return
-        data_dir = c.data_dir or os.path.join("data", c.dataset)
-        prepare = f"python prepare_pg19.py --source /path/to/pg19 --out {data_dir}"
-        if not os.path.isfile(os.path.join(data_dir, "meta.json")):  # prepare_pg19.py writes it last
-            raise ConfigError(f"{data_dir}/meta.json not found: prepare the data first, e.g. {prepare} "
-                              f"(or --dataset={'|'.join(tasks.TASKS)})")
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            self.vocab, self.splits, self.reach = json.load(f)["vocab_size"], {}, window_reach(c)
-        for split in ("train", "val"):
-            path = os.path.join(data_dir, f"{split}.bin")
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
-            if len(tokens) < c.block_size + 1:
-                raise ConfigError(f"{path} has {len(tokens):,} tokens, fewer than block_size+1={c.block_size + 1:,}; "
-                                  f"lower --block_size")
-            if (top := max_token_id(tokens)) >= self.vocab:  # on a sample: the ids of another tokenizer?
-                raise ConfigError(f"{path} holds token id {top}, outside vocab_size={self.vocab} of its meta.json: "
-                                  f"prepare the data again, e.g. {prepare}")
-            self.splits[split] = (path, len(tokens))
+        try:
+            self.rows = (tasks.TaskRows if is_tasks(c.dataset) else tasks.TextRows)(c)
+        except (OSError, ValueError) as e:
+            raise ConfigError(e) from None
+        self.vocab, self.device = self.rows.vocab, device
 
-    def batch(self, split, rng, training=False):
-        """(x, y), (B, T) each, on the device; evaluation scores a task's answer alone: that is the task."""
-        c = self.c
-        if self.tasks:
-            x, y = self.tasks.batch(rng, answer_only=not training or c.task_loss == "answer")
-        else:
-            path, n = self.splits[split]
-            data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
-            rows = [np.asarray(data[s : s + c.block_size + 1], dtype=np.int64)
-                    for s in (rng.randrange(n - c.block_size) for _ in range(c.batch_size))]
-            if training and c.repeat_frac:
-                rows = [tasks.repeat_passage(r, rng, self.reach) if rng.random() < c.repeat_frac else r for r in rows]
-            if training and c.copy_frac:
-                rows = [tasks.copy_row(len(r), rng, self.vocab, self.reach) if rng.random() < c.copy_frac else r
-                        for r in rows]
-            xy = torch.from_numpy(np.stack(rows))  # (B, T+1)
-            x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+    def batch(self, split, rng, training=False):  # (x, y), (B, T) each, on the device
         pin = self.device.type == "cuda"
-        return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin) for t in (x, y))
+        return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
+                     for t in self.rows.batch(split, rng, training))
 
 
 def step_rng(*parts):
@@ -203,10 +162,8 @@ def saved_at(out_dir):
         return None
 
 
-# -----------------------------------------------------------------------------
 # Ctrl-C and SIGTERM: the handler takes note, and the loop stops at the next step boundary, where the
 # model is whole. torchrun forwards a Ctrl-C to its workers, and when one dies sends SIGTERM to the rest.
-
 STOP = {"signum": 0, "at": 0.0}  # the signal this process was sent, and when
 
 
@@ -238,8 +195,7 @@ def get_lr(it, c):
 
 
 def progress(t0, text):
-    """Say text once the work begun at t0 (a step, an evaluation) has run PROGRESS_AFTER s since it began
-    or last said so: a long first step shows it is alive. Host clock: no GPU sync."""
+    """Log text when the work begun at t0 has run PROGRESS_AFTER s without a word: a long step shows it is alive."""
     if (now := time.time()) - max(t0, SAID["at"]) > PROGRESS_AFTER:
         log(f"{text} after {fmt_time(now - t0)}")
         SAID["at"] = now
@@ -282,8 +238,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     grad_accum = tokens_per_step // per_micro
     if tokens_per_step % per_micro:
         raise ConfigError(f"tokens_per_step={tokens_per_step:,} is not a multiple of batch_size*block_size*GPUs = "
-                          f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use a multiple of it (or 0 "
-                          f"for no accumulation), or change batch_size")
+                          f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use a multiple of it (0: none)")
 
     # the architecture: the checkpoint's if there is one (model keys given now must agree), else the config's
     arch, finetune = {k: getattr(c, k) for k in MODEL_KEYS}, c.init_from not in ("scratch", "resume")
@@ -374,9 +329,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             if ddp:
                 dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
             said = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
-            said += (f": saved {ckpt_path} at step {iter_num}; continue with: {again}" if iter_num > start else
-                     f" before step {start + 1}: nothing new to save; continue with: {again}" if resumed else
-                     " before the first step: nothing saved")
+            said += (f": saved {ckpt_path} at step {iter_num}; continue with: {again}" if iter_num > start or resumed
+                     else " before the first step: nothing saved")
             stopped(said if master else "", stop)
 
         # step iter_num + 1 over grad_accum micro-batches; the loss stays on the device (no host sync)
@@ -425,8 +379,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
 
 
 def main(argv=None):
-    """Train with the hyperparameters above as changed by argv (default sys.argv[1:]).
-    Returns the logged [(iteration, mean train loss since the previous line)]."""
+    """Train with the hyperparameters above as changed by argv (default sys.argv[1:]) -> the logged [(iter, loss)]."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print_help(__doc__, __file__, DRTConfig)
@@ -439,12 +392,12 @@ def main(argv=None):
         if not os.path.isfile(src):
             raise ConfigError(f"no checkpoint at {src}: use --init_from=scratch (or point --out_dir at the run)")
         ckpt = load_checkpoint(src, "start over with --init_from=scratch --overwrite=True, or use another --out_dir")
-        for k in DEFAULTS:  # model keys given now are checked against the checkpoint's model_args in train
+        for k in (k for k in DEFAULTS if k not in PER_RUN):
             stored = ckpt["config"].get(k, config[k])  # a key newer than the checkpoint: its value now
-            if k in given and k not in PER_RUN and k not in MODEL_KEYS and stored != config[k]:
-                log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
-            if k not in given and k not in PER_RUN:
+            if k not in given:
                 config[k] = stored
+            elif k not in MODEL_KEYS and stored != config[k]:  # model keys: train checks them against model_args
+                log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
         if ckpt["iter_num"] > config["max_iters"]:
             raise ConfigError(f"{src} is at step {ckpt['iter_num']}, past max_iters={config['max_iters']}: pass "
                               f"--max_iters above {ckpt['iter_num']} to train on")
@@ -452,8 +405,7 @@ def main(argv=None):
         raise ConfigError(f"{saved_at(config['out_dir']) or src} exists: continue that run with --init_from=resume, "
                           f"replace it with --overwrite=True, or use another --out_dir")
     elif config["init_from"] != "scratch":  # fine-tuning another run's weights: its ckpt.pt or its out_dir
-        src = config["init_from"]
-        src = os.path.join(src, "ckpt.pt") if os.path.isdir(src) else src
+        src = os.path.join(src, "ckpt.pt") if os.path.isdir(src := config["init_from"]) else src
         if not os.path.isfile(src):
             raise ConfigError(f"init_from={config['init_from']!r}: no checkpoint there (want 'scratch', 'resume', or "
                               f"the path of a train.py ckpt.pt or its out_dir)")
@@ -486,7 +438,7 @@ def main(argv=None):
                                                     if last else "no checkpoint saved"), signal.SIGINT)
     except Exception as e:
         for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):
-            if STOP["signum"]:  # a collective failed as a rank died: torchrun's SIGTERM follows within 0.1 s
+            if STOP["signum"]:  # a collective failed as a rank died: torchrun's SIGTERM follows
                 last = saved_at(c.out_dir)
                 stopped(f"rank {rank}: stopped by {signal.Signals(STOP['signum']).name} (another rank failed?); " +
                         (f"the last checkpoint is {last}: resume with --init_from=resume" if last else
