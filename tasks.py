@@ -121,14 +121,25 @@ TEMPLATES = {
     "code": (" The secret code is {k}.", " What is the secret code? The secret code is",
              " The secret code for {n} is {k}.", " What is the secret code for {n}? The secret code for {n} is"),
 }
+# train.py --task_templates=many: a phrasing built per prompt from one of these names of a number
+# (never "secret code", the held-out test's), so that what the retriever can match is the name
+NOUNS = ("pass key", "magic number", "access ID", "lucky number", "PIN", "room number", "serial number",
+         "ticket number", "locker number", "order number", "badge number", "account number", "house number",
+         "member ID", "lottery number", "safe combination", "password", "special number", "hidden number")
+
+
+def phrasing(noun, of):
+    """A TEMPLATES entry for the number called `noun`, of its owner by the word `of` ('of', 'for')."""
+    return (f" The {noun} is {{k}}.", f" What is the {noun}? The {noun} is",
+            f" The {noun} {of} {{n}} is {{k}}.", f" What is the {noun} {of} {{n}}? The {noun} {of} {{n}} is")
 
 
 def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=5):
     """-> (needle texts in order of appearance, question text, answer text, the index of the needle
     that holds the answer: None for vartrack, whose answer is two needles away). names: multi-key's;
-    keys: its needle count; template: a TEMPLATES name (passkey, multi-key); digits: of every number."""
+    keys: its needle count; template: a TEMPLATES name or entry (passkey, multi-key); digits: of every number."""
     number = lambda: str(rng.randrange(10 ** (digits - 1), 10**digits))  # noqa: E731
-    needle, question, named, named_question = TEMPLATES[template]
+    needle, question, named, named_question = TEMPLATES[template] if isinstance(template, str) else template
     if task == "passkey":
         key = number()
         return [needle.format(k=key)], question, f" {key}", 0
@@ -240,6 +251,8 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
         n = rng.randint(*keys) if keys[0] < keys[1] else keys[0]
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
+        if template == "many":
+            template = phrasing(rng.choice(NOUNS), rng.choice(("of", "for")))
         prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
                                       template)
         answer = answer + enc.encode_ordinary(ANSWER_END)
@@ -274,7 +287,8 @@ class TaskRows:
         except (OSError, ValueError) as e:
             raise ValueError(f"task_haystack: {e}") from None
         try:
-            for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
+            longest = [phrasing(max(NOUNS, key=len), "for") if t == "many" else t for t in self.templates]
+            for task, template, i in itertools.product(self.tasks, longest, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
                              min_depth=c.task_min_depth, align=self.align, names=self.names, keys=self.keys[1],
                              template=template)

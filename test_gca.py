@@ -1266,6 +1266,17 @@ def test_task_keys_and_templates(tmp_path, monkeypatch):
     assert min(counts) >= 2 and max(counts) <= 16 and len(set(counts)) > 3
     assert {"pass key", "magic number"} == {re.search(r"What is the (pass key|magic number)", enc.decode(r.tolist()))[1]
                                             for r in x}
+    x, y = get_batch(["passkey", "multikey"], 32, 400, random.Random(1), enc, keys=(2, 16), templates=("many",),
+                     answer_only=True)
+    nouns = set()
+    for r, t in zip(x, y):
+        text = enc.decode(r.tolist())
+        noun, named = re.search(r"What is the ([\w ]+?)((?: (?:of|for) \w+)?)\? The \1\2 is", text).groups()
+        key = re.search(rf"The {noun}{named} is (\d+)\.", text.split("What is")[0])[1]  # its needle, before the question
+        assert enc.decode(t[t >= 0].tolist()) == f" {key}{tasks.ANSWER_END}"  # the loss: the asked key, then the stop
+        assert "secret" not in text and "code" not in text  # the held-out phrasing's words never appear
+        nouns.add(noun)
+    assert nouns <= set(tasks.NOUNS) and len(nouns) >= 10
     for bad, message in [("--task_keys=1", r"task_keys='1' must be N or A-B, with 2 <= A <= B <= 16"),
                          ("--task_keys=8-3", r"task_keys='8-3'"),
                          ("--task_templates=key,nope", r"task_templates='key,nope' must be a comma list of key, number")]:

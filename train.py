@@ -61,7 +61,7 @@ task_haystack = ""  # a .bin of prepare_pg19.py whose text hides the needles; ""
 task_haystack_frac = 0.5  # with task_haystack: the share of prompts in real text
 task_names = "pool"  # multi-key's names: 'pool' (~12K words no test asks, so names must be matched) or 'twenty'
 task_keys = "4"  # multi-key's needles per prompt: N, or A-B drawn per prompt (2-16; beyond top-k, names must match)
-task_templates = "key"  # phrasings, a comma list of tasks.TEMPLATES, one drawn per prompt ('code' is held out)
+task_templates = "key"  # phrasings, a comma list of tasks.TEMPLATES or 'many' (tasks.NOUNS), one per prompt; 'code' is held out
 task_align = True  # the question's last token opens a chunk, so the landmark that retrieves has read it (Appendix D)
 # batch
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380
@@ -122,8 +122,8 @@ def check_config(config):
         ("," in c.dataset and not is_tasks(c.dataset),
          f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TASKS)}"),
         (tasks.parse_keys(c.task_keys) is None, f"task_keys={c.task_keys!r} must be N or A-B, with 2 <= A <= B <= 16"),
-        (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys(),
-         f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}"),
+        (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys() | {"many"},
+         f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}, many"),
         (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
          f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ] if wrong]
