@@ -409,7 +409,8 @@ def inspect(model, enc, docs, at, args, ctx):
         error(f"--at={at}: token {at} lies in chunk {c}; chunks 0 and 1 retrieve nothing: use --at >= {2 * T}")
     show = lambda j: repr(enc.decode(ids[j * T : (j + 1) * T].tolist()))  # noqa: E731
     state = model.new_state(offload=args.offload)
-    prefill(model, ids[: c * T], state, args.segment)  # through the landmark of chunk c-1
+    with ctx:  # the dtype of every other test
+        prefill(model, ids[: c * T], state, args.segment)  # through the landmark of chunk c-1
     print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
