@@ -109,6 +109,12 @@ def window_reach(cfg):
     return (cfg.n_lower + sum(cfg.groups)) * cfg.window
 
 
+def skim_margin(cfg):
+    """Positions before an output beyond which no upper-layer state reaches it: the windows' reach and,
+    per group, the two chunks back to the landmark whose picks a chunk reads (DRT.skim)."""
+    return window_reach(cfg) + 2 * cfg.chunk_size * len(cfg.groups)
+
+
 # -----------------------------------------------------------------------------
 # Positions: ALiBi, bias = -slope * (i - j), from int64 positions: exact at any absolute position.
 
@@ -611,6 +617,17 @@ class DRT(nn.Module):
                 x = block(x, mem)  # self-attention, then GCA (Eq. 2) into the MLP
         return self.logits_and_loss(x, 0, idx.size(1), targets, return_logits)
 
+    @torch.no_grad()
+    def skim(self, idx, state):
+        """Stream idx (B, T) into state as memory only: the lower layers and the chunk store, without
+        retrieval and the upper layers. Upper-layer states reach an output from at most skim_margin
+        positions back, so outputs that far past idx's end are those of forward (tested): a long prompt
+        read only at its end (a passkey) need not run the upper layers over all of it."""
+        if self.config.center_query:
+            raise ValueError("skim: center_query's running mean needs every landmark's upper-layer state")
+        self.check_input(idx, None)
+        forward_segment(self, idx, state, memory_only=True)
+
     def retrieve(self, g, h, chunk_ids, pages, landmarks_at, before=None):
         """Eq. 1 and 3 for group g at the landmark states h (B, n, C) of chunks chunk_ids (n,): pages as
         in topk_earlier, landmarks_at(picks) -> their l_j, before as in center -> picks, w, before."""
@@ -781,9 +798,10 @@ class StreamState:
         self.centers = [None] * len(cfg.groups)  # per group, center_query: (sum, count) of the landmark states so far
 
 
-def forward_segment(model, idx, state):
+def forward_segment(model, idx, state, memory_only=False):
     """DRT.forward's steps for the next segment idx (B, T) of a stream, continuing and updating
-    state -> the last layer's states (B, L, C) and the segment's offset in its first chunk."""
+    state -> the last layer's states (B, L, C) and the segment's offset in its first chunk.
+    memory_only (DRT.skim): the chunk store and lower rings alone -> (None, offset)."""
     cfg, S, store = model.config, model.config.chunk_size, state.store
     pos0 = state.n + state.start_pos  # absolute position of the segment's first slot
     ids, offset = insert_landmarks(idx, cfg, state.n)  # (B, L)
@@ -799,6 +817,9 @@ def forward_segment(model, idx, state):
             store.kv.append(kv.detach())  # the store holds no autograd graph
             store.lm.append(l.detach())
         state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
+    if memory_only:  # the next full segment's first chunk reads no picks: inside the margin
+        state.picks, state.prefetched, state.n = [None] * len(cfg.groups), [None] * len(cfg.groups), state.n + L
+        return None, offset
     c0 = state.n // S  # the segment touches chunks c0 .. c0 + n_chunks - 1
     chunk_ids = c0 + torch.arange(n, device=x.device)  # (n,) the chunk of each landmark here
     upper, rings = iter(model.upper), iter(state.rings[cfg.n_lower :])
@@ -810,9 +831,10 @@ def forward_segment(model, idx, state):
                                                         state.centers[g])
             made = picks + cfg.read_next, w
         mem = None
-        if c0 + n_chunks > 2:  # some chunk c >= 2 is here: chunks 0 and 1 have nothing earlier to read
-            picks, w = read_one_chunk_later(state.picks[g], made, n_chunks)  # (B, n_chunks, K)
-            mem = (*(state.prefetched[g] if n_chunks == 1 else store.gather(picks)), w)
+        carried = state.picks[g]  # None at the start and after DRT.skim
+        if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read
+            picks, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
+            mem = (*(state.prefetched[g] if n_chunks == 1 and carried is not None else store.gather(picks)), w)
         for block in itertools.islice(upper, size):
             x = block(x, mem, pos0, next(rings), offset)
         if made is not None:  # the last landmark's picks serve the next segment's first chunk

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import common
 from common import EOT, GPT2_VOCAB, fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
-from model import DRT, DRTConfig, retrieval_stats, window_reach
+from model import DRT, DRTConfig, retrieval_stats, skim_margin, window_reach
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
 from tasks import needles_and_question, occurrences, score
 
@@ -119,19 +119,26 @@ class Progress:
                   f"ETA {fmt_time(dt * (self.total - done) / max(done, 1))}", flush=True)
 
 
-def prefill(model, ids, state, segment, progress=None):
-    """Stream ids into the state, `segment` tokens a call."""
+def prefill(model, ids, state, segment, progress=None, skim=None):
+    """Stream ids into the state, `segment` tokens a call; skim: a margin in tokens, or None. Segments that end
+    at least that far before ids' end go through DRT.skim (memory only): only what follows is read."""
     x = as_batch(model, ids)
     for s in range(0, x.size(1), segment):
-        model(x[:, s : s + segment], state=state)
+        part = x[:, s : s + segment]
+        if skim is not None and s + part.size(1) <= x.size(1) - skim:
+            model.skim(part, state)
+        else:
+            model(part, state=state)
         if progress:
             progress(min(s + segment, x.size(1)))
 
 
 def answer_prompt(model, prompt, n, state, segment, progress=None):
-    """Prefill the prompt, decode n tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))] per upper
-    group: the picks that served the prompt's last token, read before it goes in, as it may close a chunk)."""
-    prefill(model, prompt[:-1], state, segment, progress)
+    """Prefill the prompt (skimmed up to its last skim_margin tokens: outputs are read only after it), decode n
+    tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))] per upper group: the picks that served the
+    prompt's last token, read before it goes in, as it may close a chunk)."""
+    cfg = model.config
+    prefill(model, prompt[:-1], state, segment, progress, None if cfg.center_query else skim_margin(cfg))
     picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
     out = model.generate(as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
     return out[0].tolist(), picks

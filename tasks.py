@@ -46,7 +46,7 @@ FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. T
 SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
 ANSWER_END = "."  # what follows a key in its needle; training rows end their answer with it, so a model learns
 # to stop the number (tests score the key followed by a digit as wrong)
-MAX_ANSWER = 6  # tokens an answer takes at most (5 digits, then ANSWER_END): a training row keeps room for it
+MAX_ANSWER = 6  # tokens an answer takes at most (7 digits: 5, then ANSWER_END): a training row keeps room for it
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
 # a second test list (sample.py --unseen_names), never in a training prompt: with train.py --task_names=twenty
@@ -233,7 +233,7 @@ def min_length(task, seed, enc, align=None, **kw):
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, answer_only=False,
-              min_depth=0, align=None, names=NAMES, keys=(4, 4), templates=("key",)):
+              min_depth=0, align=None, names=NAMES, keys=(4, 4), templates=("key",), digits=(5, 5)):
     """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
@@ -241,7 +241,8 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
     everywhere, or with answer_only=True only at the answer's and ANSWER_END's positions
     (-1 elsewhere). From scratch a model needs the loss everywhere (the filler and the key's
     second mention teach it to copy); after pre-training on text either works. names: multi-key's;
-    keys (lo, hi): its needle count, drawn per row; templates: one drawn per row. A choice of one
+    keys (lo, hi): its needle count, drawn per row; templates: one drawn per row; digits (lo, hi): of the
+    row's numbers, drawn per row. A choice of one
     draws nothing from rng, so the defaults give the rows they gave before keys and templates."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
@@ -253,8 +254,9 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
         if template == "many":
             template = phrasing(rng.choice(NOUNS), rng.choice(("of", "for")))
+        d = rng.randint(*digits) if digits[0] < digits[1] else digits[0]
         prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
-                                      template)
+                                      template, d)
         answer = answer + enc.encode_ordinary(ANSWER_END)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
@@ -265,11 +267,11 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
     return x, y
 
 
-def parse_keys(text):
-    """train.py's --task_keys: 'N' or 'A-B' -> (A, B), multi-key's needle counts; None if it reads as neither."""
+def parse_range(text, lo, hi):
+    """train.py's --task_keys, --task_digits: 'N' or 'A-B' -> (A, B) within [lo, hi]; None if it reads as neither."""
     m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
-    keys = m and (int(m[1]), int(m[2] or m[1]))
-    return keys if keys and 2 <= keys[0] <= keys[1] <= 16 else None
+    got = m and (int(m[1]), int(m[2] or m[1]))
+    return got if got and lo <= got[0] <= got[1] <= hi else None
 
 
 class TaskRows:
@@ -281,7 +283,8 @@ class TaskRows:
         self.c, self.tasks, self.vocab, self.enc = c, c.dataset.split(","), GPT2_VOCAB, get_tokenizer()
         self.align = c.chunk_size - 1 if c.task_align else None
         self.names = word_pool(self.enc) if c.task_names == "pool" else NAMES
-        self.keys, self.templates = parse_keys(c.task_keys), tuple(c.task_templates.split(","))
+        self.keys, self.templates = parse_range(c.task_keys, 2, 16), tuple(c.task_templates.split(","))
+        self.digits = parse_range(c.task_digits, 3, 7)
         try:
             self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
         except (OSError, ValueError) as e:
@@ -291,7 +294,7 @@ class TaskRows:
             for task, template, i in itertools.product(self.tasks, longest, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
                              min_depth=c.task_min_depth, align=self.align, names=self.names, keys=self.keys[1],
-                             template=template)
+                             template=template, digits=self.digits[1])
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
@@ -300,7 +303,7 @@ class TaskRows:
         the answer alone: that is the task."""
         c, answer_only = self.c, not training or self.c.task_loss == "answer"
         return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
-                         answer_only, c.task_min_depth, self.align, self.names, self.keys, self.templates)
+                         answer_only, c.task_min_depth, self.align, self.names, self.keys, self.templates, self.digits)
 
 
 class TextRows:

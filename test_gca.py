@@ -824,6 +824,38 @@ def test_segmented_prefill_equals_one_shot(offload, variant):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("groups", [(2,), (1, 1)], ids=["G1", "G2"])
+def test_skim_keeps_the_end(groups, offload):
+    """A prompt skimmed (DRT.skim, memory only) in all its segments that end skim_margin tokens before its
+    end gives the full stream's picks there and its logits after it; skimming up to the end does not (the
+    upper layers' states reach that far), and center_query, which needs them all, is refused."""
+    import sample
+
+    model = tiny_model(groups=groups).eval()
+    idx = tokens(model.config, 1, 400, seed=21)
+    margin = drt.skim_margin(model.config)
+    with torch.no_grad():
+        full = all_logits(model, idx)
+
+        def stream(skim):
+            state, skims = model.new_state(offload=offload), []
+            model.skim = lambda *a: skims.append(DRT.skim(model, *a))
+            sample.prefill(model, idx[0, :300].tolist(), state, 37, skim=skim)  # 37: segments cut chunks
+            del model.skim
+            return state, all_logits(model, idx[:, 300:], state), len(skims)
+
+        skimmed, tail, n = stream(margin)
+        exact, _, _ = stream(None)
+        assert n == (300 - margin) // 37 > 2 and skimmed.store.lm.n == exact.store.lm.n
+        for (i, w), (i0, w0) in zip(skimmed.picks, exact.picks):
+            assert torch.equal(i, i0) and torch.equal(w, w0)
+        torch.testing.assert_close(tail, full[:, 300:], rtol=1e-9, atol=1e-9)
+        assert rel_err(stream(0)[1][:, :8], full[:, 300:308]) > 1e-3  # skimmed to the end: not exact
+        with pytest.raises(ValueError, match="center_query"):
+            tiny_model(center_query=True).skim(idx, tiny_model(center_query=True).new_state())
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_store_pages(monkeypatch, offload):
     """Landmarks and keys/values stored in many small growing pages (as at 16M tokens, with
     pages of thousands of chunks) give the same decoding as one page: page boundaries are
@@ -1239,8 +1271,8 @@ def test_passkey_task(tmp_path, monkeypatch):
 
 
 def test_task_keys_and_templates(tmp_path, monkeypatch):
-    """--task_keys and --task_templates reach the training rows (12 keys in the held-out phrasing
-    here, a range and a mix through get_batch); bad values are one-line ConfigErrors."""
+    """--task_keys, --task_templates and --task_digits reach the training rows (12 keys in the held-out
+    phrasing here, ranges and a mix through get_batch); bad values are one-line ConfigErrors."""
     import random
 
     import tasks
@@ -1277,8 +1309,12 @@ def test_task_keys_and_templates(tmp_path, monkeypatch):
         assert "secret" not in text and "code" not in text  # the held-out phrasing's words never appear
         nouns.add(noun)
     assert nouns <= set(tasks.NOUNS) and len(nouns) >= 10
-    for bad, message in [("--task_keys=1", r"task_keys='1' must be N or A-B, with 2 <= A <= B <= 16"),
-                         ("--task_keys=8-3", r"task_keys='8-3'"),
+    x, y = get_batch(["passkey", "multikey"], 32, 400, random.Random(2), enc, keys=(2, 16), digits=(3, 7),
+                     answer_only=True)
+    sizes = [len(enc.decode(t[t >= 0].tolist()).strip().rstrip(tasks.ANSWER_END.strip())) for t in y]  # the asked key
+    assert set(sizes) == {3, 4, 5, 6, 7}
+    for bad, message in [("--task_keys=1", r"task_keys='1' must be N or A-B, 2 <= A <= B <= 16"),
+                         ("--task_keys=8-3", r"task_keys='8-3'"), ("--task_digits=2-7", r"task_digits='2-7' must be"),
                          ("--task_templates=key,nope", r"task_templates='key,nope' must be a comma list of key, number")]:
         with pytest.raises(train.ConfigError, match=message):
             train.main([bad])

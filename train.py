@@ -62,6 +62,7 @@ task_haystack_frac = 0.5  # with task_haystack: the share of prompts in real tex
 task_names = "pool"  # multi-key's names: 'pool' (~12K words no test asks, so names must be matched) or 'twenty'
 task_keys = "4"  # multi-key's needles per prompt: N, or A-B drawn per prompt (2-16; beyond top-k, names must match)
 task_templates = "key"  # phrasings, a comma list of tasks.TEMPLATES or 'many' (tasks.NOUNS), one per prompt; 'code' is held out
+task_digits = "5"  # digits of every number in a prompt: N, or A-B drawn per prompt (3-7)
 task_align = True  # the question's last token opens a chunk, so the landmark that retrieves has read it (Appendix D)
 # batch
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380
@@ -121,7 +122,8 @@ def check_config(config):
          f"copy_frac and repeat_frac mix rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         ("," in c.dataset and not is_tasks(c.dataset),
          f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TASKS)}"),
-        (tasks.parse_keys(c.task_keys) is None, f"task_keys={c.task_keys!r} must be N or A-B, with 2 <= A <= B <= 16"),
+        (tasks.parse_range(c.task_keys, 2, 16) is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
+        (tasks.parse_range(c.task_digits, 3, 7) is None, f"task_digits={c.task_digits!r} must be N or A-B, 3 <= A <= B <= 7"),
         (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys() | {"many"},
          f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}, many"),
         (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
