@@ -46,7 +46,7 @@ FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. T
 SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
 ANSWER_END = "."  # what follows a key in its needle; training rows end their answer with it, so a model learns
 # to stop the number (tests score the key followed by a digit as wrong)
-MAX_ANSWER = 6  # tokens an answer takes at most (7 digits: 5, then ANSWER_END): a training row keeps room for it
+MAX_ANSWER = 6  # tokens an answer takes at most (a 7-digit key: 5, then ANSWER_END): a training row keeps room for it
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
 # a second test list (sample.py --unseen_names), never in a training prompt: with train.py --task_names=twenty
@@ -250,11 +250,10 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
     for b in range(batch_size):
         task = rng.choice(tasks)
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
-        n = rng.randint(*keys) if keys[0] < keys[1] else keys[0]
+        n, d = draw(rng, keys), draw(rng, digits)
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
         if template == "many":
             template = phrasing(rng.choice(NOUNS), rng.choice(("of", "for")))
-        d = rng.randint(*digits) if digits[0] < digits[1] else digits[0]
         prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
                                       template, d)
         answer = answer + enc.encode_ordinary(ANSWER_END)
@@ -265,6 +264,11 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
             y[b, : len(prompt) - 1] = -1
             y[b, len(prompt) - 1 + len(answer) :] = -1
     return x, y
+
+
+def draw(rng, lo_hi):
+    """A count from the range (lo, hi) of parse_range; a range of one draws nothing from rng."""
+    return rng.randint(*lo_hi) if lo_hi[0] < lo_hi[1] else lo_hi[0]
 
 
 def parse_range(text, lo, hi):
