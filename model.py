@@ -73,8 +73,6 @@ class DRTConfig:
     mlp_hidden: int = 0          # SwiGLU hidden width; 0 -> 8/3 * n_embd rounded up to a multiple of 64
     softmax_off_by_one: bool = True  # Eq. 3 as exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
-    read_next: bool = False      # GCA reads the chunk after each pick (its continuation) instead of the pick; Eq. 1 and 3 unchanged
-    center_query: bool = False   # Eq. 1's query minus the running mean of the landmark states, whose shared direction would rank chunks alike for every query
     retriever: str = "learned"   # "learned": top-k of Eq. 1; "random": uniform earlier chunks, weighted by Eq. 3 (Table 4's ablation); "none": weights 0
 
     def __post_init__(self):
@@ -327,16 +325,6 @@ def retrieval_weights(q, picked, eligible, cfg):
     r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return w * (cfg.retriever != "none")
-
-
-def center(h, before=None):
-    """center_query: h (B, n, C) at consecutive landmarks minus the running mean of all landmark states
-    up to each, in fp32; before: (sum (B, 1, C), count) of earlier ones or None -> (h centred, before)."""
-    total, count = before if before is not None else (0.0, 0)
-    h = upcast(h)
-    sums = total + h.cumsum(1)  # (B, n, C)
-    counts = count + torch.arange(1, h.size(1) + 1, device=h.device, dtype=h.dtype)[:, None]  # (n, 1)
-    return h - sums / counts, (sums[:, -1:].detach(), count + h.size(1))  # detached: a stream keeps no graph
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -609,8 +597,8 @@ class DRT(nn.Module):
             mem = None
             if n:
                 h = x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks
-                picks, w, _ = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
-                picks, w = read_one_chunk_later(None, (picks + cfg.read_next, w), n_chunks)  # chunk c+1 reads chunk c's picks
+                picks, w = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
+                picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
                     mem = (*kv.unbind(3), picks, w)
             for block in itertools.islice(upper, size):
@@ -623,24 +611,20 @@ class DRT(nn.Module):
         retrieval and the upper layers. Upper-layer states reach an output from at most skim_margin
         positions back, so outputs that far past idx's end are those of forward (tested): a long prompt
         read only at its end (a passkey) need not run the upper layers over all of it."""
-        if self.config.center_query:
-            raise ValueError("skim: center_query's running mean needs every landmark's upper-layer state")
         self.check_input(idx, None)
         forward_segment(self, idx, state, memory_only=True)
 
-    def retrieve(self, g, h, chunk_ids, pages, landmarks_at, before=None):
+    def retrieve(self, g, h, chunk_ids, pages, landmarks_at):
         """Eq. 1 and 3 for group g at the landmark states h (B, n, C) of chunks chunk_ids (n,): pages as
-        in topk_earlier, landmarks_at(picks) -> their l_j, before as in center -> picks, w, before."""
+        in topk_earlier, landmarks_at(picks) -> their l_j -> picks, w (B, n, K)."""
         cfg = self.config
-        if cfg.center_query:
-            h, before = center(h, before)
         q = self.ret_norm[g](h)  # (B, n, C)
         picks, eligible = topk_earlier(q, pages, chunk_ids, cfg.topk, self.training and cfg.gumbel,
                                        cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
         w = retrieval_weights(q, landmarks_at(picks), eligible, cfg)  # (B, n, K): Eq. 3
         if self.record is not None:
             self.record.append((chunk_ids, picks, w.detach()))
-        return picks, w, before
+        return picks, w
 
     def logits_and_loss(self, x, offset, T, targets, return_logits):
         """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions."""
@@ -795,7 +779,6 @@ class StreamState:
         self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
-        self.centers = [None] * len(cfg.groups)  # per group, center_query: (sum, count) of the landmark states so far
 
 
 def forward_segment(model, idx, state, memory_only=False):
@@ -827,9 +810,7 @@ def forward_segment(model, idx, state, memory_only=False):
         made = None
         if n:
             h = to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
-            picks, w, state.centers[g] = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at,
-                                                        state.centers[g])
-            made = picks + cfg.read_next, w
+            made = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at)
         mem = None
         carried = state.picks[g]  # None at the start and after DRT.skim
         if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read

@@ -138,7 +138,7 @@ def answer_prompt(model, prompt, n, state, segment, progress=None):
     tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))] per upper group: the picks that served the
     prompt's last token, read before it goes in, as it may close a chunk)."""
     cfg = model.config
-    prefill(model, prompt[:-1], state, segment, progress, None if cfg.center_query else skim_margin(cfg))
+    prefill(model, prompt[:-1], state, segment, progress, skim_margin(cfg))
     picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
     out = model.generate(as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
     return out[0].tolist(), picks

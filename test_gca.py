@@ -789,16 +789,11 @@ def test_cuda_compiled_step_has_no_host_sync():
 # -----------------------------------------------------------------------------
 # streaming state (§3.2): token-by-token decoding, segmented prefill, offloaded memory, generate
 
-VARIANTS = [{}, {"center_query": True, "read_next": True}]  # the paper's retrieval; the far-copy probe's
-VARIANT_IDS = ["paper", "centred-next"]
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("groups", [(1,), (1, 1)], ids=["G1", "G2"])
-def test_incremental_equals_full(groups, variant):
-    """Token-by-token decoding (O(W) rings, chunk memory, per-chunk retrieval, the running mean of
-    center_query, read_next) gives the full forward's logits at every position, across many chunk boundaries."""
-    model = tiny_model(groups=groups, **variant).eval()
+def test_incremental_equals_full(groups):
+    """Token-by-token decoding (O(W) rings, chunk memory, per-chunk retrieval) gives the full
+    forward's logits at every position, across many chunk boundaries."""
+    model = tiny_model(groups=groups).eval()
     idx = tokens(model.config, 2, 11 * 7 + 4, seed=11)
     with torch.no_grad():
         full = all_logits(model, idx)
@@ -808,12 +803,11 @@ def test_incremental_equals_full(groups, variant):
     assert state.rings[0].k.size(2) == model.config.window  # the cache never grows past W
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_segmented_prefill_equals_one_shot(offload, variant):
+def test_segmented_prefill_equals_one_shot(offload):
     """Segments of odd lengths (not multiples of anything) reproduce the one-shot logits:
     no chunk loses its retrieval at a segment boundary; offloaded memory changes nothing."""
-    model = tiny_model(groups=(1, 1), **variant).eval()
+    model = tiny_model(groups=(1, 1)).eval()
     idx = tokens(model.config, 1, 150, seed=12)
     with torch.no_grad():
         full = all_logits(model, idx)
@@ -828,7 +822,7 @@ def test_segmented_prefill_equals_one_shot(offload, variant):
 def test_skim_keeps_the_end(groups, offload):
     """A prompt skimmed (DRT.skim, memory only) in all its segments that end skim_margin tokens before its
     end gives the full stream's picks there and its logits after it; skimming up to the end does not (the
-    upper layers' states reach that far), and center_query, which needs them all, is refused."""
+    upper layers' states reach that far)."""
     import sample
 
     model = tiny_model(groups=groups).eval()
@@ -851,8 +845,6 @@ def test_skim_keeps_the_end(groups, offload):
             assert torch.equal(i, i0) and torch.equal(w, w0)
         torch.testing.assert_close(tail, full[:, 300:], rtol=1e-9, atol=1e-9)
         assert rel_err(stream(0)[1][:, :8], full[:, 300:308]) > 1e-3  # skimmed to the end: not exact
-        with pytest.raises(ValueError, match="center_query"):
-            tiny_model(center_query=True).skim(idx, tiny_model(center_query=True).new_state())
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
@@ -872,12 +864,11 @@ def test_store_pages(monkeypatch, offload):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-def test_state_holds_no_graph(variant):
+def test_state_holds_no_graph():
     """A StreamState used with gradients enabled keeps no autograd graph (memory stays O(W +
     chunks), not O(stream); each segment's backward runs alone), and the unfinished chunk's buffer
     is a copy, not a view that keeps the whole segment alive."""
-    model = tiny_model(groups=(1, 1), dtype=torch.float32, **variant)
+    model = tiny_model(groups=(1, 1), dtype=torch.float32)
     state = model.new_state()
     for seg in (tokens(model.config, 2, 45, seed=1), tokens(model.config, 2, 30, seed=2)):
         logits, _ = model(seg, state=state)
@@ -886,7 +877,6 @@ def test_state_holds_no_graph(variant):
     m = state.store
     held = [t for ring in state.rings for t in (ring.k, ring.v)] + m.lm.pages + m.kv.pages + [state.chunk_buf]
     held += [t for p in state.picks + state.prefetched for t in p]
-    held += [c[0] for c in state.centers if c is not None]
     assert all(t is not None and t.grad_fn is None and not t.requires_grad for t in held)
     buf = state.chunk_buf
     assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
@@ -2011,57 +2001,6 @@ def spy_retrieval(monkeypatch):
         return orig(q, blocks, chunk_ids, k, noise, uniform)
     monkeypatch.setattr(drt, "topk_earlier", spy)
     return seen
-
-
-def test_center_running_mean():
-    """center: each landmark state minus the mean of the states up to it; in two calls (a stream's
-    segments, carrying (sum, count)) the same as in one."""
-    h = torch.randn(2, 7, 5, dtype=torch.float64)
-    out, (total, count) = drt.center(h)
-    want = torch.stack([h[:, t] - h[:, : t + 1].mean(1) for t in range(7)], 1)
-    torch.testing.assert_close(out, want)
-    assert count == 7
-    torch.testing.assert_close(total[:, 0], h.sum(1))
-    a, before = drt.center(h[:, :3])
-    b, _ = drt.center(h[:, 3:], before)
-    torch.testing.assert_close(torch.cat([a, b], 1), out)
-
-
-def test_center_query_ranks_by_the_query():
-    """Hand-built states as a trained DRT has them: every landmark state is one shared vector c
-    (98% of its norm) plus a small part of its own, and one chunk leans further along c. Raw, every
-    query picks that chunk (a hub); centred, each query picks the chunk whose own part it holds."""
-    C, n = 16, 12
-    c = torch.zeros(C, dtype=torch.float64)
-    c[0] = 5.0
-    own = torch.eye(C, dtype=torch.float64)[1 : n + 1]  # (n, C): chunk j's own direction, orthogonal to c
-    lm = c + own  # (n, C) landmarks
-    lm[0] += 0.5 * c  # chunk 0: the hub
-    h = torch.cat([c + own[:6], c + own[:6]])  # (12, C): landmark t >= 6 holds chunk t - 6's own part
-    chunk_ids = torch.arange(n)
-    raw, _ = drt.topk_earlier(h[None], [lm[None]], chunk_ids, 1)
-    centred, _ = drt.topk_earlier(drt.center(h[None])[0], [lm[None]], chunk_ids, 1)
-    assert (raw[0, 6:, 0] == 0).all()  # every late query: the hub
-    assert centred[0, 6:, 0].tolist() == list(range(6))  # every late query: its twin
-
-
-def test_read_next_reads_the_chunk_after_each_pick(monkeypatch):
-    """read_next: the weights are those of the picks (Eq. 1 and 3 unchanged), GCA reads the chunk
-    after each pick: the picks of chunk c's landmark + 1, read by chunk c+1."""
-    read = []
-    monkeypatch.setattr(drt, "gca", lambda q, k, v, idx, w: read.append(idx) or torch.zeros_like(q))
-    idx = tokens(tiny_config(), 2, 9 * 7, seed=4)
-    out = {}
-    for read_next in (False, True):
-        model = tiny_model(read_next=read_next).eval()
-        model.record, read[:] = [], []
-        with torch.no_grad():
-            model(idx)
-        t, picks, w = model.record[0]
-        out[read_next] = w
-        m = read[0].size(1) - 1  # chunk 0 reads nothing; the last landmark's picks serve a chunk not here yet
-        torch.testing.assert_close(read[0][:, 1:], picks[:, :m] + read_next)
-    torch.testing.assert_close(out[True], out[False])
 
 
 def test_retriever_random_and_none(monkeypatch):
