@@ -1996,9 +1996,9 @@ def spy_retrieval(monkeypatch):
     """Record what retrieve scores with: [(q (B, n, C), landmarks (B, M, C))] per call of topk_earlier."""
     seen, orig = [], drt.topk_earlier
 
-    def spy(q, blocks, chunk_ids, k, noise=False, uniform=False):
-        seen.append((q, torch.cat(list(blocks), 1)))
-        return orig(q, blocks, chunk_ids, k, noise, uniform)
+    def spy(q, pages, chunk_ids, k, noise=False, uniform=False):
+        seen.append((q, torch.cat(list(pages), 1)))
+        return orig(q, pages, chunk_ids, k, noise, uniform)
     monkeypatch.setattr(drt, "topk_earlier", spy)
     return seen
 
