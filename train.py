@@ -113,6 +113,7 @@ def check_config(config):
     choices = {"task_loss": ("all", "answer"), "task_names": ("pool", "twenty"),
                "dtype": ("auto", "bfloat16", "float32")}
     bad += [f"{k}={config[k]!r} must be one of {', '.join(v)}" for k, v in choices.items() if config[k] not in v]
+    keys, digits = tasks.parse_range(c.task_keys, 2, 16), tasks.parse_range(c.task_digits, 3, 7)
     bad += [why for wrong, why in [
         (not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
@@ -122,8 +123,8 @@ def check_config(config):
          f"copy_frac and repeat_frac mix rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         ("," in c.dataset and not is_tasks(c.dataset),
          f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TASKS)}"),
-        (tasks.parse_range(c.task_keys, 2, 16) is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
-        (tasks.parse_range(c.task_digits, 3, 7) is None, f"task_digits={c.task_digits!r} must be N or A-B, 3 <= A <= B <= 7"),
+        (keys is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
+        (digits is None, f"task_digits={c.task_digits!r} must be N or A-B, 3 <= A <= B <= 7"),
         (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys() | {"many"},
          f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}, many"),
         (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
@@ -286,9 +287,9 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
 
     flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)  # matmul FLOPs of forward + backward
-    arch = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
+    what = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     how = f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"
-    log(f"{arch}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
+    log(f"{what}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
@@ -324,7 +325,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
             break
-        stop = stop if ddp else STOP["signum"]  # one process: at every step; DDP: agreed at the log line below
+        if not ddp:  # one process: at every step boundary; under DDP all ranks agree at the log line below
+            stop = STOP["signum"]
         if stop:  # a step boundary: the model is whole
             if master and iter_num > saved:
                 save(None)
@@ -336,8 +338,9 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             stopped(said if master else "", stop)
 
         # step iter_num + 1 over grad_accum micro-batches; the loss stays on the device (no host sync)
+        lr = get_lr(iter_num, c)
         for group in optimizer.param_groups:
-            group["lr"] = get_lr(iter_num, c)
+            group["lr"] = lr
         t_step, step_loss = time.time(), 0
         for micro in range(grad_accum):
             if micro:
@@ -367,7 +370,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             dt = (time.time() - t_last) / (iter_num - it_last)
             tok_s = tokens_per_step / dt
             mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
-            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {get_lr(iter_num - 1, c):.2e} | "
+            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {lr:.2e} | "
                 f"{1000 * dt:.1f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
                 f"eta {fmt_time(dt * (last - iter_num))}")
             history.append((iter_num, mean_loss))
