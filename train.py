@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tasks
-from common import CheckpointError, fmt_time, load_checkpoint, peak_flops, peak_mem_gib, unwritable
+from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, peak_flops, peak_mem_gib,
+                    saved_at, stopped, unwritable)
 from configurator import ConfigError, configure, keys_of, print_help
 from model import DRT, DRTConfig, retrieval_stats
 
@@ -156,38 +157,6 @@ def step_rng(*parts):
     return random.Random(":".join(map(str, parts)))
 
 
-def saved_at(out_dir):
-    """'out/ckpt.pt at step N', read from ckpt.json (written after ckpt.pt), or None."""
-    try:
-        with open(os.path.join(out_dir, "ckpt.json")) as f:
-            return f"{os.path.join(out_dir, 'ckpt.pt')} at step {json.load(f)['iter_num']}"
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-# Ctrl-C and SIGTERM: the handler takes note, and the loop stops at the next step boundary, where the
-# model is whole. torchrun forwards a Ctrl-C to its workers, and when one dies sends SIGTERM to the rest.
-STOP = {"signum": 0, "at": 0.0}  # the signal this process was sent, and when
-
-
-def on_signal(signum, frame):  # a second Ctrl-C stops at once; within 1 s it is the first (terminal and torchrun)
-    if signum == signal.SIGINT and STOP["signum"] and time.time() - STOP["at"] > 1:
-        raise KeyboardInterrupt
-    if not STOP["signum"]:
-        STOP.update(signum=signum, at=time.time())
-
-
-def catch_signals():  # again at every step boundary: on the GPU, Triton's first compile puts LLVM's handler first
-    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-
-def stopped(said, signum):
-    """A signal ended the run: say so (rank 0, or a failing rank) and exit as the shell does (130: Ctrl-C)."""
-    if said:
-        print(f"train.py: {said}", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
-
-
 def get_lr(it, c):
     """Learning rate of step it (0-based): linear warmup, then cosine from learning_rate to min_lr."""
     warmup = int(c.warmup_frac * c.max_iters)
@@ -292,15 +261,15 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     log(f"{what}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
-    ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
+    ckpt_path, json_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "ckpt.json")
 
     def save(val_loss):  # the run as it stands at iter_num: each file written whole (to .tmp, then renamed)
         state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
         torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
-        with open(ckpt_path[:-3] + ".json.tmp", "w") as f:  # for people and tools without torch
+        with open(json_path + ".tmp", "w") as f:  # the same without tensors, for people and tools without torch
             json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
-        os.replace(ckpt_path[:-3] + ".json.tmp", ckpt_path[:-3] + ".json")
+        os.replace(json_path + ".tmp", json_path)
         log(f"saved {ckpt_path} at step {iter_num}")
         return iter_num
 
@@ -312,7 +281,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     loss_sum, t_last, it_last = torch.zeros((), device=device), time.time(), iter_num
     model.train()
     while True:
-        catch_signals()
+        catch_signals()  # Ctrl-C and SIGTERM only take note (common.on_signal): the run stops below, between steps
         if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
             t_eval = time.time()
             losses, ret = estimate_loss(eval_model, raw_model, data, c, autocast)
@@ -441,13 +410,13 @@ def main(argv=None):
         last = saved_at(c.out_dir)
         stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
                                                     if last else "no checkpoint saved"), signal.SIGINT)
-    except Exception as e:
-        for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):
-            if STOP["signum"]:  # a collective failed as a rank died: torchrun's SIGTERM follows
+    except Exception as e:  # under DDP, a collective fails when a rank dies, and torchrun's SIGTERM follows
+        for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):  # 3 s
+            if signum := STOP["signum"]:
                 last = saved_at(c.out_dir)
-                stopped(f"rank {rank}: stopped by {signal.Signals(STOP['signum']).name} (another rank failed?); " +
+                stopped(f"rank {rank}: stopped by {signal.Signals(signum).name} (another rank failed?); " +
                         (f"the last checkpoint is {last}: resume with --init_from=resume" if last else
-                         "no checkpoint saved"), STOP["signum"])
+                         "no checkpoint saved"), signum)
             time.sleep(0.1)
         raise
     finally:
