@@ -200,7 +200,7 @@ def estimate_loss(model, raw_model, data, c, autocast):
 
 def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     """The run main set up, from checkpoint ckpt (or None); again is the command that continues it."""
-    master, cuda = rank == 0, device.type == "cuda"
+    master, cuda, finetune = rank == 0, device.type == "cuda", c.init_from not in ("scratch", "resume")
     dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if cuda:
@@ -213,7 +213,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
                           f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use a multiple of it (0: none)")
 
     # the architecture: the checkpoint's if there is one (model keys given now must agree), else the config's
-    arch, finetune = {k: getattr(c, k) for k in MODEL_KEYS}, c.init_from not in ("scratch", "resume")
+    arch = {k: getattr(c, k) for k in MODEL_KEYS}
     if ckpt is not None:
         stored = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
         if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
