@@ -1,7 +1,7 @@
 """
 Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
 formatting, the --lengths parser, GPT-2's tokenizer, a GPU's peak FLOP/s (for MFU) and peak memory, the check that an
-output folder is writable, the checkpoint loader. Not run on its own.
+output folder is writable, the checkpoint loader, and train.py's Ctrl-C handling. Not run on its own.
 
     from common import fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, unwritable
 
@@ -9,11 +9,14 @@ torch is imported inside the functions that use it, so prepare_pg19.py and its w
 processes, which need only fmt_time, do not load it.
 """
 
+import json
 import os
 import pickle
 import resource
+import signal
 import sys
 import tempfile
+import time
 import zipfile
 
 import numpy as np
@@ -153,3 +156,36 @@ def load_checkpoint(path, fix):
     if not isinstance(ckpt, dict) or not {"model_args", "model"} <= ckpt.keys():
         raise CheckpointError(f"{path} is not a train.py checkpoint (no model_args/model): {fix}")
     return ckpt
+
+
+def saved_at(out_dir):
+    """'out/ckpt.pt at step N' of a train.py run, read from ckpt.json (written after ckpt.pt), or None."""
+    try:
+        with open(os.path.join(out_dir, "ckpt.json")) as f:
+            return f"{os.path.join(out_dir, 'ckpt.pt')} at step {json.load(f)['iter_num']}"
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+# Ctrl-C and SIGTERM in train.py: the handler takes note, and the loop stops at the next step boundary, where
+# the model is whole. torchrun forwards a Ctrl-C to its workers, and when one dies sends SIGTERM to the rest.
+STOP = {"signum": 0, "at": 0.0}  # the signal this process was sent, and when
+
+
+def on_signal(signum, frame):  # a second Ctrl-C stops at once; within 1 s it is the first (terminal and torchrun)
+    if signum == signal.SIGINT and STOP["signum"] and time.time() - STOP["at"] > 1:
+        raise KeyboardInterrupt
+    if not STOP["signum"]:
+        STOP.update(signum=signum, at=time.time())
+
+
+def catch_signals():  # again at every step boundary: on the GPU, Triton's first compile puts LLVM's handler first
+    """Handle SIGINT and SIGTERM with on_signal -> the handlers they had."""
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def stopped(said, signum):
+    """A signal ended the run: say so (rank 0, or a failing rank) and exit as the shell does (130: Ctrl-C)."""
+    if said:
+        print(f"train.py: {said}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)

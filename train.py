@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tasks
-from common import CheckpointError, fmt_time, load_checkpoint, peak_flops, peak_mem_gib, unwritable
+from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, peak_flops, peak_mem_gib,
+                    saved_at, stopped, unwritable)
 from configurator import ConfigError, configure, keys_of, print_help
 from model import DRT, DRTConfig, retrieval_stats
 
@@ -113,6 +114,7 @@ def check_config(config):
     choices = {"task_loss": ("all", "answer"), "task_names": ("pool", "twenty"),
                "dtype": ("auto", "bfloat16", "float32")}
     bad += [f"{k}={config[k]!r} must be one of {', '.join(v)}" for k, v in choices.items() if config[k] not in v]
+    keys, digits = tasks.parse_range(c.task_keys, 2, 16), tasks.parse_range(c.task_digits, 3, 7)
     bad += [why for wrong, why in [
         (not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
@@ -122,8 +124,8 @@ def check_config(config):
          f"copy_frac and repeat_frac mix rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         ("," in c.dataset and not is_tasks(c.dataset),
          f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TASKS)}"),
-        (tasks.parse_range(c.task_keys, 2, 16) is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
-        (tasks.parse_range(c.task_digits, 3, 7) is None, f"task_digits={c.task_digits!r} must be N or A-B, 3 <= A <= B <= 7"),
+        (keys is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
+        (digits is None, f"task_digits={c.task_digits!r} must be N or A-B, 3 <= A <= B <= 7"),
         (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys() | {"many"},
          f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}, many"),
         (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
@@ -153,38 +155,6 @@ class Data:
 def step_rng(*parts):
     """A random.Random that is a fixed function of parts (str seeds go through SHA-512: the same everywhere)."""
     return random.Random(":".join(map(str, parts)))
-
-
-def saved_at(out_dir):
-    """'out/ckpt.pt at step N', read from ckpt.json (written after ckpt.pt), or None."""
-    try:
-        with open(os.path.join(out_dir, "ckpt.json")) as f:
-            return f"{os.path.join(out_dir, 'ckpt.pt')} at step {json.load(f)['iter_num']}"
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-# Ctrl-C and SIGTERM: the handler takes note, and the loop stops at the next step boundary, where the
-# model is whole. torchrun forwards a Ctrl-C to its workers, and when one dies sends SIGTERM to the rest.
-STOP = {"signum": 0, "at": 0.0}  # the signal this process was sent, and when
-
-
-def on_signal(signum, frame):  # a second Ctrl-C stops at once; within 1 s it is the first (terminal and torchrun)
-    if signum == signal.SIGINT and STOP["signum"] and time.time() - STOP["at"] > 1:
-        raise KeyboardInterrupt
-    if not STOP["signum"]:
-        STOP.update(signum=signum, at=time.time())
-
-
-def catch_signals():  # again at every step boundary: on the GPU, Triton's first compile puts LLVM's handler first
-    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-
-def stopped(said, signum):
-    """A signal ended the run: say so (rank 0, or a failing rank) and exit as the shell does (130: Ctrl-C)."""
-    if said:
-        print(f"train.py: {said}", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
 
 
 def get_lr(it, c):
@@ -230,7 +200,7 @@ def estimate_loss(model, raw_model, data, c, autocast):
 
 def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     """The run main set up, from checkpoint ckpt (or None); again is the command that continues it."""
-    master, cuda = rank == 0, device.type == "cuda"
+    master, cuda, finetune = rank == 0, device.type == "cuda", c.init_from not in ("scratch", "resume")
     dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if cuda:
@@ -243,7 +213,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
                           f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use a multiple of it (0: none)")
 
     # the architecture: the checkpoint's if there is one (model keys given now must agree), else the config's
-    arch, finetune = {k: getattr(c, k) for k in MODEL_KEYS}, c.init_from not in ("scratch", "resume")
+    arch = {k: getattr(c, k) for k in MODEL_KEYS}
     if ckpt is not None:
         stored = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
         if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
@@ -286,20 +256,20 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
 
     flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)  # matmul FLOPs of forward + backward
-    arch = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
+    what = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     how = f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"
-    log(f"{arch}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
+    log(f"{what}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
-    ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
+    ckpt_path, json_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "ckpt.json")
 
     def save(val_loss):  # the run as it stands at iter_num: each file written whole (to .tmp, then renamed)
         state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
         torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
-        with open(ckpt_path[:-3] + ".json.tmp", "w") as f:  # for people and tools without torch
+        with open(json_path + ".tmp", "w") as f:  # the same without tensors, for people and tools without torch
             json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
-        os.replace(ckpt_path[:-3] + ".json.tmp", ckpt_path[:-3] + ".json")
+        os.replace(json_path + ".tmp", json_path)
         log(f"saved {ckpt_path} at step {iter_num}")
         return iter_num
 
@@ -311,7 +281,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     loss_sum, t_last, it_last = torch.zeros((), device=device), time.time(), iter_num
     model.train()
     while True:
-        catch_signals()
+        catch_signals()  # Ctrl-C and SIGTERM only take note (common.on_signal): the run stops below, between steps
         if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
             t_eval = time.time()
             losses, ret = estimate_loss(eval_model, raw_model, data, c, autocast)
@@ -324,7 +294,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
             break
-        stop = stop if ddp else STOP["signum"]  # one process: at every step; DDP: agreed at the log line below
+        if not ddp:  # one process: at every step boundary; under DDP all ranks agree at the log line below
+            stop = STOP["signum"]
         if stop:  # a step boundary: the model is whole
             if master and iter_num > saved:
                 save(None)
@@ -336,8 +307,9 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             stopped(said if master else "", stop)
 
         # step iter_num + 1 over grad_accum micro-batches; the loss stays on the device (no host sync)
+        lr = get_lr(iter_num, c)
         for group in optimizer.param_groups:
-            group["lr"] = get_lr(iter_num, c)
+            group["lr"] = lr
         t_step, step_loss = time.time(), 0
         for micro in range(grad_accum):
             if micro:
@@ -367,7 +339,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             dt = (time.time() - t_last) / (iter_num - it_last)
             tok_s = tokens_per_step / dt
             mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
-            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {get_lr(iter_num - 1, c):.2e} | "
+            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {lr:.2e} | "
                 f"{1000 * dt:.1f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
                 f"eta {fmt_time(dt * (last - iter_num))}")
             history.append((iter_num, mean_loss))
@@ -438,13 +410,13 @@ def main(argv=None):
         last = saved_at(c.out_dir)
         stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
                                                     if last else "no checkpoint saved"), signal.SIGINT)
-    except Exception as e:
-        for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):
-            if STOP["signum"]:  # a collective failed as a rank died: torchrun's SIGTERM follows
+    except Exception as e:  # under DDP, a collective fails when a rank dies, and torchrun's SIGTERM follows
+        for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):  # 3 s
+            if signum := STOP["signum"]:
                 last = saved_at(c.out_dir)
-                stopped(f"rank {rank}: stopped by {signal.Signals(STOP['signum']).name} (another rank failed?); " +
+                stopped(f"rank {rank}: stopped by {signal.Signals(signum).name} (another rank failed?); " +
                         (f"the last checkpoint is {last}: resume with --init_from=resume" if last else
-                         "no checkpoint saved"), STOP["signum"])
+                         "no checkpoint saved"), signum)
             time.sleep(0.1)
         raise
     finally:
