@@ -1464,6 +1464,12 @@ def test_ctrl_c_saves_and_resumes(tmp_path):
         end_run(proc)
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved" and not os.path.exists(tmp_path / "run2" / "ckpt.pt")
+    # one Ctrl-C inside the first evaluation: no step was taken, so nothing is saved (a step-0
+    # checkpoint would only make the next run of the same command refuse to overwrite it)
+    rc, out, err = interrupt_after([sys.executable, "train.py", *tiny_args(tmp_path, "run3", "--eval_iters=30")],
+                                   r"DRT groups")
+    assert rc == 130 and err.strip() == "train.py: interrupted before the first step: nothing saved", err
+    assert not os.path.exists(tmp_path / "run3" / "ckpt.pt")
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")

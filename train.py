@@ -276,7 +276,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     # the loop. iter_num counts the optimizer steps done: all a checkpoint must hold for an exact resume
     start, last, history = iter_num, c.stop_iter or c.max_iters, []
     resumed = c.init_from == "resume"  # then step `start` was evaluated just before the save
-    saved = start if resumed else -1  # the step of the checkpoint this run last wrote (or resumed)
+    saved = start  # the step of the checkpoint this run last wrote, or started from: nothing to save before a step
     stop = 0  # the signal that stops every rank at the next step boundary
     loss_sum, t_last, it_last = torch.zeros((), device=device), time.time(), iter_num
     model.train()
