@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import common
 from common import EOT, GPT2_VOCAB, fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, skim_margin, window_reach
-from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
-from tasks import needles_and_question, occurrences, score
+from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, in_reach, key_owner, make_example
+from tasks import min_length, needle_picks, needles_and_question, score, wilson
 
 # -----------------------------------------------------------------------------
 # Generation: a checkpoint, a prompt, model.generate
@@ -142,40 +142,6 @@ def answer_prompt(model, prompt, n, state, segment, progress=None):
     picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
     out = model.generate(as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
     return out[0].tolist(), picks
-
-
-def needle_chunk(prompt, answer, T):
-    """The chunk (of T text tokens) where the answer first appears, which retrieval must bring back; or None."""
-    at = occurrences(prompt, answer)
-    return (at[0] + len(answer) // 2) // T if at else None  # a middle token: the chunk that holds most of it
-
-
-def in_reach(prompt, answer, T, reach):
-    """Whether the answer's last mention lies within `reach` positions (a landmark per T text tokens) of the
-    prompt's last token, where the windows can copy it."""
-    i = occurrences(prompt, answer)[-1] + len(answer) - 1
-    return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
-
-
-def needle_picks(prompt, answer, picks, T):
-    """Retrieval's part in one answer -> (found: the needle's chunk, or the next whose memory saw it, picked
-    with weight > 0; hit@1: one of them got some upper group's largest weight; their weight (Eq. 3), mean over
-    the groups), or None in the last two chunks, which retrieval cannot pick (chunk c reads what chunk c-1's
-    landmark picked among chunks < c-1)."""
-    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
-    if not picks or need is None or need >= last - 1:
-        return None
-    on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
-    found = any(bool(m.any()) for m in on_needle)
-    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on_needle))
-    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
-
-
-def wilson(k, n, z=1.96):
-    """The Wilson score interval of k successes in n: inside [0, 1], and not empty at 0/n or n/n."""
-    p, d = k / n, 1 + z * z / n
-    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def prompt_kwargs(args, cfg=None, depth=None):
