@@ -161,24 +161,23 @@ def prompt_seed(seed, task, L, i):
 
 
 def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
-    """Refuse a length too short for run_task's prompts, naming the shortest that works; without cfg
-    (before the checkpoint loads) prompts are not cut to its chunks."""
+    """Refuse a length past MAX_LENGTH or too short for run_task's prompts, naming the shortest that works;
+    without cfg (before the checkpoint loads) prompts are not cut to its chunks."""
+    if max(lengths) > MAX_LENGTH:
+        error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
+              f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
     align, kw = None if cfg is None or args.no_align else cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
     for task in tasks:
         # the longest of 64 probes: whether a length passes must not hang on the luck of its own seeds
         floor = max(min_length(task, i, enc, align, **kw) for i in range(64))
-
-        def ok(L):
-            return L >= floor and all(min_length(task, prompt_seed(args.seed, task, L, i), enc, align, **kw) <= L
-                                      for i in range(args.samples))
-
         for L in lengths:
-            if not ok(L):
-                fix = max(L, floor)
-                while not ok(fix):
-                    fix += 1
+            shortest = max(L, floor)  # raised until the prompts drawn for that length all fit
+            while any(min_length(task, prompt_seed(args.seed, task, shortest, i), enc, align, **kw) > shortest
+                      for i in range(args.samples)):
+                shortest += 1
+            if shortest > L:
                 error(f"--lengths: {L} tokens cannot hold the needles and question of a {task} prompt: "
-                      f"use lengths of at least {fix}")
+                      f"use lengths of at least {shortest}")
 
 
 def check_memory(model, L, args):
@@ -527,9 +526,6 @@ def main(argv=None):
     except (OSError, RuntimeError, ValueError) as e:
         error(e)
     if tasks:
-        if max(lengths) > MAX_LENGTH:
-            error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
-                  f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
         check_lengths(tasks, lengths, args, enc)
     haystack = load_haystack(args.haystack, enc) if (tasks or args.copying) and args.haystack else None
     docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None
