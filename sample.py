@@ -197,25 +197,25 @@ def check_memory(model, L, args):
 def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     """Accuracy of `task` at each context length, a table row each; depth: one --depth bin."""
     device, cfg = next(model.parameters()).device, model.config
-    align = None if args.no_align else cfg.chunk_size - 1
-    kw, T, reach = prompt_kwargs(args, cfg, depth), cfg.chunk_size - 1, window_reach(cfg)
-    changed = [(f"{args.keys} keys", task == "multikey"), (f"template {args.template}", args.template != "key"),
-               (f"{args.digits}-digit numbers", args.digits != 5),
-               (f"the asked needle at depth {depth}", depth not in (None, "reach")),
-               ("the asked key just past the windows' reach", depth == "reach"),
-               ("names unseen in training", args.unseen_names and task == "multikey")]
+    T, reach, kw = cfg.chunk_size - 1, window_reach(cfg), prompt_kwargs(args, cfg, depth)
+    align = None if args.no_align else T
+    variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
+                f"{args.digits}-digit numbers": args.digits != 5,
+                f"the asked needle at depth {depth}": depth not in (None, "reach"),
+                "the asked key just past the windows' reach": depth == "reach",
+                "names unseen in training": args.unseen_names and task == "multikey"}
     print(f"\n{task}, retrieval {cfg.retriever}: {args.samples} samples per length, "
           f"{'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
           f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}"
-          + "".join(f", {text}" for text, on in changed if on))
+          + "".join(f", {text}" for text, on in variants.items() if on))
     header = (f"{'length':>8} {'samples':>7} {'accuracy [95% CI]':>17} {'in reach':>8} {'hit@1':>7} {'retrieved':>9} "
               f"{'needle w':>8} {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        correct, near, t0, kv, eligible, found, top, weight = 0, 0, time.time(), 0, 0, 0, 0, 0.0
+        t0, correct, near, picked = time.time(), 0, 0, []
         for i in range(args.samples):
             seed = prompt_seed(args.seed, task, L, i)
             prompt, answer = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
@@ -227,22 +227,23 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             correct, near = correct + hit, near + in_reach(prompt, answer, T, reach)
             if args.show_misses and not hit:
                 got, want = enc.decode(out).strip(), enc.decode(answer).strip()
-                # the needles are drawn first from the prompt's seed: draw them again
-                needles = needles_and_question(task, random.Random(seed), kw["names"], args.keys, args.template,
-                                               args.digits)[0]
+                rng = random.Random(seed)  # make_example drew the needles first: draw them again
+                needles = needles_and_question(task, rng, kw["names"], args.keys, args.template, args.digits)[0]
                 owner = key_owner(needles, re.match(r"\d*", got).group(), want)
                 print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
                       + (f" (another needle's key: {owner}'s)" if owner else ""), flush=True)
-            if (got := needle_picks(prompt, answer, picks, T)) is not None:
-                eligible, found, top, weight = eligible + 1, found + got[0], top + got[1], weight + got[2]
+            if (p := needle_picks(prompt, answer, picks, T)) is not None:
+                picked.append(p)
             kv = state.store.nbytes()
             del state  # before the next sample allocates its own memory
         lo, hi = wilson(correct, args.samples)
         acc = f"{correct / args.samples:.1%} [{100 * lo:.0f}-{100 * hi:.0f}]"
-        tops, hits, share = ((f"{top}/{eligible}", f"{found}/{eligible}", f"{weight / eligible:.2f}") if eligible
-                             else ("-", "-", "-"))
+        hit1 = retrieved = needle_w = "-"  # no needle that retrieval could pick
+        if n := len(picked):
+            found, top, weight = map(sum, zip(*picked))
+            hit1, retrieved, needle_w = f"{top}/{n}", f"{found}/{n}", f"{weight / n:.2f}"
         gpu = f"{peak_mem_gib(device):>8.2f}G" if device.type == "cuda" else f"{'-':>9}"
-        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {tops:>7} {hits:>9} {share:>8} "
+        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {hit1:>7} {retrieved:>9} {needle_w:>8} "
               f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
