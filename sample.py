@@ -149,7 +149,8 @@ def prompt_kwargs(args, cfg=None, depth=None):
     kw = dict(names=UNSEEN_NAMES if args.unseen_names else NAMES, keys=args.keys, template=args.template,
               digits=args.digits)
     if depth == "reach":  # the fewest tokens that, landmarks counted, span the reach in positions
-        kw["past"] = window_reach(cfg) - window_reach(cfg) // cfg.chunk_size
+        reach = window_reach(cfg)
+        kw["past"] = reach - reach // cfg.chunk_size
     elif depth is not None:
         kw["depth"] = depth
     return kw
@@ -166,7 +167,8 @@ def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
     if max(lengths) > MAX_LENGTH:
         error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
               f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
-    align, kw = None if cfg is None or args.no_align else cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
+    align = None if cfg is None or args.no_align else cfg.chunk_size - 1
+    kw = prompt_kwargs(args, cfg, depth)
     for task in tasks:
         # the longest of 64 probes: whether a length passes must not hang on the luck of its own seeds
         floor = max(min_length(task, i, enc, align, **kw) for i in range(64))
@@ -259,37 +261,37 @@ def copy_far_span(cfg):
     return window_reach(cfg) + 8
 
 
+def pass_losses(model, span, passes, ctx, name):
+    """span (n, k) seen `passes` times in a row -> the mean loss on each pass."""
+    x = torch.from_numpy(np.tile(span, passes)).to(next(model.parameters()).device)  # (n, passes * k)
+    k, out = span.shape[1], []
+    progress = Progress(f"{name}, {k}-token spans", passes, "passes")
+    for s in range(0, passes * k, k):  # one pass's targets at a time: never (n, passes * k, vocab) logits
+        y = torch.full_like(x[:, 1:], -1)
+        y[:, s : s + k - 1] = x[:, s + 1 : s + k]
+        with ctx:
+            out.append(model(x[:, :-1], y, return_logits=False)[1].item())
+        progress(len(out))
+    return out
+
+
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
     """The mean loss on each pass of spans seen 3 times in a row in the window, and of spans past the windows'
     reach seen twice, whose copy must come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
-    device, cfg = next(model.parameters()).device, model.config
+    cfg, n, rng = model.config, args.samples, random.Random(f"{args.seed}-copying")
     L, L_far = copy_span(cfg), copy_far_span(cfg)
-    rng, n = random.Random(f"{args.seed}-copying"), args.samples
     kinds = {"random tokens": lambda k: np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])}
     if haystack is not None:
         kinds["book text"] = lambda k: np.stack([haystack.sample(k, rng) for _ in range(n)])  # (n, k)
-    print(f"\ncopying, retrieval {model.config.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
+    print(f"\ncopying, retrieval {cfg.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
           f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach); mean loss "
           f"per pass (without a pass's first token, which no earlier occurrence predicts)")
     header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8}"
     print(header + "\n" + "-" * len(header))
-
-    def pass_losses(name, span, passes):  # span (n, k) seen `passes` times in a row -> the mean loss of each pass
-        x = torch.from_numpy(np.tile(span, passes)).to(device)  # (n, passes * k)
-        k, out = span.shape[1], []
-        progress = Progress(f"{name}, {k}-token spans", passes, "passes")
-        for s in range(0, passes * k, k):  # one pass's targets at a time: never (n, passes * k, vocab) logits
-            y = torch.full_like(x[:, 1:], -1)
-            y[:, s : s + k - 1] = x[:, s + 1 : s + k]
-            with ctx:
-                out.append(model(x[:, :-1], y, return_logits=False)[1].item())
-            progress(len(out))
-        return out
-
     losses = {}
     for name, rows in kinds.items():
-        losses[name] = pass_losses(name, rows(L), 3) + pass_losses(name, rows(L_far), 2)
+        losses[name] = pass_losses(model, rows(L), 3, ctx, name) + pass_losses(model, rows(L_far), 2, ctx, name)
         print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
 
@@ -388,7 +390,7 @@ def inspect(model, enc, docs, at, args, ctx):
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
     for g, (idx, w) in enumerate(state.picks):
-        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: min(c - 1, len(idx[0, 0]))]
+        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]  # the eligible
         print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}")
         for j, wj in picks:
             print(f"    w {wj:.3f}  chunk {j} ({c - 1 - j} back): {show(j)}")
@@ -413,9 +415,6 @@ def depth_bins(text):
 
 def check_args(args):
     """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
-    for name in ("segment", "samples", "num_samples", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            error(f"--{'samples_per_length' if name == 'samples' else name}={getattr(args, name)}: must be >= 1")
     try:
         device = torch.device(args.device)
         kind, index = device.type, device.index or 0
@@ -423,6 +422,10 @@ def check_args(args):
         kind = index = None
     gpus = torch.cuda.device_count()
     for bad, msg in [
+        (args.segment < 1, f"--segment={args.segment}: must be >= 1"),
+        (args.samples < 1, f"--samples_per_length={args.samples}: must be >= 1"),
+        (args.num_samples < 1, f"--num_samples={args.num_samples}: must be >= 1"),
+        (args.max_new_tokens < 1, f"--max_new_tokens={args.max_new_tokens}: must be >= 1"),
         (not args.temperature >= 0, f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)"),
         (args.top_k < 0, f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)"),
         (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
