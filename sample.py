@@ -344,12 +344,12 @@ def doc_nll(model, ids, args, ctx, name="document"):
 
 def perplexity(model, docs, modes, args, ctx):
     """--ppl: perplexity by position, a column per retrieval mode -> {mode: [(tokens, mean loss) per bucket, all]}."""
-    n_tok = sum(len(d) - 1 for _, d in docs)
-    print(f"\nperplexity by position: {len(docs)} document(s), {n_tok:,} tokens, each streamed from its first token "
-          f"in segments of {min(args.segment, PPL_SEGMENT):,}")
+    cfg = model.config
+    print(f"\nperplexity by position: {len(docs)} document(s), {sum(len(d) - 1 for _, d in docs):,} tokens, each "
+          f"streamed from its first token in segments of {min(args.segment, PPL_SEGMENT):,}")
     table, stats = {}, {}
     for mode in modes:
-        model.config.retriever, model.record = mode, []
+        cfg.retriever, model.record = mode, []
         sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
         for name, ids in docs:
             nll = doc_nll(model, ids, args, ctx, name).double()
@@ -358,7 +358,7 @@ def perplexity(model, docs, modes, args, ctx):
             counts += torch.bincount(bucket, minlength=len(BUCKETS))
         table[mode] = ([(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
                        + [(int(counts.sum()), (sums.sum() / counts.sum()).item())])
-        stats[mode] = retrieval_stats(model.record, model.config.topk)
+        stats[mode] = retrieval_stats(model.record, cfg.topk)
     model.record = None
     names = [f"{fmt_len(a)}-{fmt_len(b)}" for a, b in zip(BUCKETS, BUCKETS[1:])] + [f"{fmt_len(BUCKETS[-1])}+", "all"]
     header = f"{'positions':>10} {'tokens':>10} " + " ".join(f"{'ppl ' + m:>12}" for m in modes)
@@ -369,7 +369,7 @@ def perplexity(model, docs, modes, args, ctx):
     for m, st in stats.items():
         if st:
             print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
-                  f"(uniform over the picks: {math.log(model.config.topk):.2f}), mean distance {st['distance']:.1f} chunks")
+                  f"(uniform over the picks: {math.log(cfg.topk):.2f}), mean distance {st['distance']:.1f} chunks")
     return table
 
 
@@ -389,8 +389,8 @@ def inspect(model, enc, docs, at, args, ctx):
     print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
-    for g, (idx, w) in enumerate(state.picks):
-        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]  # the eligible
+    for g, (idx, w) in enumerate(state.picks):  # the picks of chunk c-1's landmark: chunks 0 to c-2, at most
+        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]
         print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}")
         for j, wj in picks:
             print(f"    w {wj:.3f}  chunk {j} ({c - 1 - j} back): {show(j)}")

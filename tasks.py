@@ -384,8 +384,7 @@ def score(generated_ids, answer_ids, enc):
     return int(text.startswith(want) and len(text) > len(want) and not text[len(want)].isdigit())
 
 
-# Beside the score, sample.py's table: could the windows or retrieval reach the needle, and how sure is the
-# accuracy
+# The test table's other columns: could the windows or retrieval reach the needle; how sure is the accuracy
 
 def needle_chunk(prompt, answer, T):
     """The chunk (of T text tokens) where the answer first appears, which retrieval must bring back; or None."""
