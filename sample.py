@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import common
 from common import EOT, GPT2_VOCAB, fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, retrieval_stats, skim_margin, window_reach
-from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, key_owner, make_example, min_length
-from tasks import needles_and_question, occurrences, score
+from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, in_reach, key_owner, make_example
+from tasks import min_length, needle_picks, needles_and_question, score, wilson
 
 # -----------------------------------------------------------------------------
 # Generation: a checkpoint, a prompt, model.generate
@@ -144,46 +144,13 @@ def answer_prompt(model, prompt, n, state, segment, progress=None):
     return out[0].tolist(), picks
 
 
-def needle_chunk(prompt, answer, T):
-    """The chunk (of T text tokens) where the answer first appears, which retrieval must bring back; or None."""
-    at = occurrences(prompt, answer)
-    return (at[0] + len(answer) // 2) // T if at else None  # a middle token: the chunk that holds most of it
-
-
-def in_reach(prompt, answer, T, reach):
-    """Whether the answer's last mention lies within `reach` positions (a landmark per T text tokens) of the
-    prompt's last token, where the windows can copy it."""
-    i = occurrences(prompt, answer)[-1] + len(answer) - 1
-    return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
-
-
-def needle_picks(prompt, answer, picks, T):
-    """Retrieval's part in one answer -> (found: the needle's chunk, or the next whose memory saw it, picked
-    with weight > 0; hit@1: one of them got some upper group's largest weight; their weight (Eq. 3), mean over
-    the groups), or None in the last two chunks, which retrieval cannot pick (chunk c reads what chunk c-1's
-    landmark picked among chunks < c-1)."""
-    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
-    if not picks or need is None or need >= last - 1:
-        return None
-    on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
-    found = any(bool(m.any()) for m in on_needle)
-    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on_needle))
-    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
-
-
-def wilson(k, n, z=1.96):
-    """The Wilson score interval of k successes in n: inside [0, 1], and not empty at 0/n or n/n."""
-    p, d = k / n, 1 + z * z / n
-    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, mid - half), min(1.0, mid + half)
-
-
 def prompt_kwargs(args, cfg=None, depth=None):
     """make_example's arguments for the test flags and one --depth bin."""
     kw = dict(names=UNSEEN_NAMES if args.unseen_names else NAMES, keys=args.keys, template=args.template,
               digits=args.digits)
     if depth == "reach":  # the fewest tokens that, landmarks counted, span the reach in positions
-        kw["past"] = window_reach(cfg) - window_reach(cfg) // cfg.chunk_size
+        reach = window_reach(cfg)
+        kw["past"] = reach - reach // cfg.chunk_size
     elif depth is not None:
         kw["depth"] = depth
     return kw
@@ -195,24 +162,24 @@ def prompt_seed(seed, task, L, i):
 
 
 def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
-    """Refuse a length too short for run_task's prompts, naming the shortest that works; without cfg
-    (before the checkpoint loads) prompts are not cut to its chunks."""
-    align, kw = None if cfg is None or args.no_align else cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
+    """Refuse a length past MAX_LENGTH or too short for run_task's prompts, naming the shortest that works;
+    without cfg (before the checkpoint loads) prompts are not cut to its chunks."""
+    if max(lengths) > MAX_LENGTH:
+        error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
+              f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
+    align = None if cfg is None or args.no_align else cfg.chunk_size - 1
+    kw = prompt_kwargs(args, cfg, depth)
     for task in tasks:
         # the longest of 64 probes: whether a length passes must not hang on the luck of its own seeds
         floor = max(min_length(task, i, enc, align, **kw) for i in range(64))
-
-        def ok(L):
-            return L >= floor and all(min_length(task, prompt_seed(args.seed, task, L, i), enc, align, **kw) <= L
-                                      for i in range(args.samples))
-
         for L in lengths:
-            if not ok(L):
-                fix = max(L, floor)
-                while not ok(fix):
-                    fix += 1
+            shortest = max(L, floor)  # raised until the prompts drawn for that length all fit
+            while any(min_length(task, prompt_seed(args.seed, task, shortest, i), enc, align, **kw) > shortest
+                      for i in range(args.samples)):
+                shortest += 1
+            if shortest > L:
                 error(f"--lengths: {L} tokens cannot hold the needles and question of a {task} prompt: "
-                      f"use lengths of at least {fix}")
+                      f"use lengths of at least {shortest}")
 
 
 def check_memory(model, L, args):
@@ -232,25 +199,25 @@ def check_memory(model, L, args):
 def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     """Accuracy of `task` at each context length, a table row each; depth: one --depth bin."""
     device, cfg = next(model.parameters()).device, model.config
-    align = None if args.no_align else cfg.chunk_size - 1
-    kw, T, reach = prompt_kwargs(args, cfg, depth), cfg.chunk_size - 1, window_reach(cfg)
-    changed = [(f"{args.keys} keys", task == "multikey"), (f"template {args.template}", args.template != "key"),
-               (f"{args.digits}-digit numbers", args.digits != 5),
-               (f"the asked needle at depth {depth}", depth not in (None, "reach")),
-               ("the asked key just past the windows' reach", depth == "reach"),
-               ("names unseen in training", args.unseen_names and task == "multikey")]
+    T, reach, kw = cfg.chunk_size - 1, window_reach(cfg), prompt_kwargs(args, cfg, depth)
+    align = None if args.no_align else T
+    variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
+                f"{args.digits}-digit numbers": args.digits != 5,
+                f"the asked needle at depth {depth}": depth not in (None, "reach"),
+                "the asked key just past the windows' reach": depth == "reach",
+                "names unseen in training": args.unseen_names and task == "multikey"}
     print(f"\n{task}, retrieval {cfg.retriever}: {args.samples} samples per length, "
           f"{'offloaded' if args.offload else 'on-device'} memory, "
           f"filler {'from ' + args.haystack if haystack else 'sentences'}, "
           f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}"
-          + "".join(f", {text}" for text, on in changed if on))
+          + "".join(f", {text}" for text, on in variants.items() if on))
     header = (f"{'length':>8} {'samples':>7} {'accuracy [95% CI]':>17} {'in reach':>8} {'hit@1':>7} {'retrieved':>9} "
               f"{'needle w':>8} {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        correct, near, t0, kv, eligible, found, top, weight = 0, 0, time.time(), 0, 0, 0, 0, 0.0
+        t0, correct, near, picked = time.time(), 0, 0, []
         for i in range(args.samples):
             seed = prompt_seed(args.seed, task, L, i)
             prompt, answer = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
@@ -262,22 +229,23 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             correct, near = correct + hit, near + in_reach(prompt, answer, T, reach)
             if args.show_misses and not hit:
                 got, want = enc.decode(out).strip(), enc.decode(answer).strip()
-                # the needles are drawn first from the prompt's seed: draw them again
-                needles = needles_and_question(task, random.Random(seed), kw["names"], args.keys, args.template,
-                                               args.digits)[0]
+                rng = random.Random(seed)  # make_example drew the needles first: draw them again
+                needles = needles_and_question(task, rng, kw["names"], args.keys, args.template, args.digits)[0]
                 owner = key_owner(needles, re.match(r"\d*", got).group(), want)
                 print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
                       + (f" (another needle's key: {owner}'s)" if owner else ""), flush=True)
-            if (got := needle_picks(prompt, answer, picks, T)) is not None:
-                eligible, found, top, weight = eligible + 1, found + got[0], top + got[1], weight + got[2]
+            if (p := needle_picks(prompt, answer, picks, T)) is not None:
+                picked.append(p)
             kv = state.store.nbytes()
             del state  # before the next sample allocates its own memory
         lo, hi = wilson(correct, args.samples)
         acc = f"{correct / args.samples:.1%} [{100 * lo:.0f}-{100 * hi:.0f}]"
-        tops, hits, share = ((f"{top}/{eligible}", f"{found}/{eligible}", f"{weight / eligible:.2f}") if eligible
-                             else ("-", "-", "-"))
+        hit1 = retrieved = needle_w = "-"  # no needle that retrieval could pick
+        if n := len(picked):
+            found, top, weight = map(sum, zip(*picked))
+            hit1, retrieved, needle_w = f"{top}/{n}", f"{found}/{n}", f"{weight / n:.2f}"
         gpu = f"{peak_mem_gib(device):>8.2f}G" if device.type == "cuda" else f"{'-':>9}"
-        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {tops:>7} {hits:>9} {share:>8} "
+        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {hit1:>7} {retrieved:>9} {needle_w:>8} "
               f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
@@ -293,37 +261,37 @@ def copy_far_span(cfg):
     return window_reach(cfg) + 8
 
 
+def pass_losses(model, span, passes, ctx, name):
+    """span (n, k) seen `passes` times in a row -> the mean loss on each pass."""
+    x = torch.from_numpy(np.tile(span, passes)).to(next(model.parameters()).device)  # (n, passes * k)
+    k, out = span.shape[1], []
+    progress = Progress(f"{name}, {k}-token spans", passes, "passes")
+    for s in range(0, passes * k, k):  # one pass's targets at a time: never (n, passes * k, vocab) logits
+        y = torch.full_like(x[:, 1:], -1)
+        y[:, s : s + k - 1] = x[:, s + 1 : s + k]
+        with ctx:
+            out.append(model(x[:, :-1], y, return_logits=False)[1].item())
+        progress(len(out))
+    return out
+
+
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
     """The mean loss on each pass of spans seen 3 times in a row in the window, and of spans past the windows'
     reach seen twice, whose copy must come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
-    device, cfg = next(model.parameters()).device, model.config
+    cfg, n, rng = model.config, args.samples, random.Random(f"{args.seed}-copying")
     L, L_far = copy_span(cfg), copy_far_span(cfg)
-    rng, n = random.Random(f"{args.seed}-copying"), args.samples
     kinds = {"random tokens": lambda k: np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])}
     if haystack is not None:
         kinds["book text"] = lambda k: np.stack([haystack.sample(k, rng) for _ in range(n)])  # (n, k)
-    print(f"\ncopying, retrieval {model.config.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
+    print(f"\ncopying, retrieval {cfg.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
           f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach); mean loss "
           f"per pass (without a pass's first token, which no earlier occurrence predicts)")
     header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8}"
     print(header + "\n" + "-" * len(header))
-
-    def pass_losses(name, span, passes):  # span (n, k) seen `passes` times in a row -> the mean loss of each pass
-        x = torch.from_numpy(np.tile(span, passes)).to(device)  # (n, passes * k)
-        k, out = span.shape[1], []
-        progress = Progress(f"{name}, {k}-token spans", passes, "passes")
-        for s in range(0, passes * k, k):  # one pass's targets at a time: never (n, passes * k, vocab) logits
-            y = torch.full_like(x[:, 1:], -1)
-            y[:, s : s + k - 1] = x[:, s + 1 : s + k]
-            with ctx:
-                out.append(model(x[:, :-1], y, return_logits=False)[1].item())
-            progress(len(out))
-        return out
-
     losses = {}
     for name, rows in kinds.items():
-        losses[name] = pass_losses(name, rows(L), 3) + pass_losses(name, rows(L_far), 2)
+        losses[name] = pass_losses(model, rows(L), 3, ctx, name) + pass_losses(model, rows(L_far), 2, ctx, name)
         print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
 
@@ -376,12 +344,12 @@ def doc_nll(model, ids, args, ctx, name="document"):
 
 def perplexity(model, docs, modes, args, ctx):
     """--ppl: perplexity by position, a column per retrieval mode -> {mode: [(tokens, mean loss) per bucket, all]}."""
-    n_tok = sum(len(d) - 1 for _, d in docs)
-    print(f"\nperplexity by position: {len(docs)} document(s), {n_tok:,} tokens, each streamed from its first token "
-          f"in segments of {min(args.segment, PPL_SEGMENT):,}")
+    cfg = model.config
+    print(f"\nperplexity by position: {len(docs)} document(s), {sum(len(d) - 1 for _, d in docs):,} tokens, each "
+          f"streamed from its first token in segments of {min(args.segment, PPL_SEGMENT):,}")
     table, stats = {}, {}
     for mode in modes:
-        model.config.retriever, model.record = mode, []
+        cfg.retriever, model.record = mode, []
         sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
         for name, ids in docs:
             nll = doc_nll(model, ids, args, ctx, name).double()
@@ -390,7 +358,7 @@ def perplexity(model, docs, modes, args, ctx):
             counts += torch.bincount(bucket, minlength=len(BUCKETS))
         table[mode] = ([(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
                        + [(int(counts.sum()), (sums.sum() / counts.sum()).item())])
-        stats[mode] = retrieval_stats(model.record, model.config.topk)
+        stats[mode] = retrieval_stats(model.record, cfg.topk)
     model.record = None
     names = [f"{fmt_len(a)}-{fmt_len(b)}" for a, b in zip(BUCKETS, BUCKETS[1:])] + [f"{fmt_len(BUCKETS[-1])}+", "all"]
     header = f"{'positions':>10} {'tokens':>10} " + " ".join(f"{'ppl ' + m:>12}" for m in modes)
@@ -401,7 +369,7 @@ def perplexity(model, docs, modes, args, ctx):
     for m, st in stats.items():
         if st:
             print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
-                  f"(uniform over the picks: {math.log(model.config.topk):.2f}), mean distance {st['distance']:.1f} chunks")
+                  f"(uniform over the picks: {math.log(cfg.topk):.2f}), mean distance {st['distance']:.1f} chunks")
     return table
 
 
@@ -421,8 +389,8 @@ def inspect(model, enc, docs, at, args, ctx):
     print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
-    for g, (idx, w) in enumerate(state.picks):
-        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: min(c - 1, len(idx[0, 0]))]
+    for g, (idx, w) in enumerate(state.picks):  # the picks of chunk c-1's landmark: chunks 0 to c-2, at most
+        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]
         print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}")
         for j, wj in picks:
             print(f"    w {wj:.3f}  chunk {j} ({c - 1 - j} back): {show(j)}")
@@ -447,9 +415,6 @@ def depth_bins(text):
 
 def check_args(args):
     """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
-    for name in ("segment", "samples", "num_samples", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            error(f"--{'samples_per_length' if name == 'samples' else name}={getattr(args, name)}: must be >= 1")
     try:
         device = torch.device(args.device)
         kind, index = device.type, device.index or 0
@@ -457,6 +422,10 @@ def check_args(args):
         kind = index = None
     gpus = torch.cuda.device_count()
     for bad, msg in [
+        (args.segment < 1, f"--segment={args.segment}: must be >= 1"),
+        (args.samples < 1, f"--samples_per_length={args.samples}: must be >= 1"),
+        (args.num_samples < 1, f"--num_samples={args.num_samples}: must be >= 1"),
+        (args.max_new_tokens < 1, f"--max_new_tokens={args.max_new_tokens}: must be >= 1"),
         (not args.temperature >= 0, f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)"),
         (args.top_k < 0, f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)"),
         (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
@@ -561,9 +530,6 @@ def main(argv=None):
     except (OSError, RuntimeError, ValueError) as e:
         error(e)
     if tasks:
-        if max(lengths) > MAX_LENGTH:
-            error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
-                  f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
         check_lengths(tasks, lengths, args, enc)
     haystack = load_haystack(args.haystack, enc) if (tasks or args.copying) and args.haystack else None
     docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None

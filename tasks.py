@@ -24,6 +24,8 @@ Training rows (train.py): TaskRows draws train.py's batches of these tasks from 
 TextRows those of a prepared text dataset, with copy_row and repeat_passage rows mixed in
 (--copy_frac, --repeat_frac).
 
+Scoring (sample.py): score, and for the test table's other columns in_reach, needle_picks and wilson.
+
     from tasks import make_example, get_batch
     prompt, answer = make_example("passkey", 4096, random.Random(0), enc, align=63)
 """
@@ -31,6 +33,7 @@ TextRows those of a prepared text dataset, with copy_row and repeat_passage rows
 import functools
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -379,3 +382,39 @@ def score(generated_ids, answer_ids, enc):
     Decode SCORE_AFTER tokens past the answer's, so that what follows it is seen."""
     text, want = enc.decode(list(generated_ids)).lstrip(), enc.decode(answer_ids).strip()
     return int(text.startswith(want) and len(text) > len(want) and not text[len(want)].isdigit())
+
+
+# The test table's other columns: could the windows or retrieval reach the needle; how sure is the accuracy
+
+def needle_chunk(prompt, answer, T):
+    """The chunk (of T text tokens) where the answer first appears, which retrieval must bring back; or None."""
+    at = occurrences(prompt, answer)
+    return (at[0] + len(answer) // 2) // T if at else None  # a middle token: the chunk that holds most of it
+
+
+def in_reach(prompt, answer, T, reach):
+    """Whether the answer's last mention lies within `reach` positions (a landmark per T text tokens) of the
+    prompt's last token, where the windows can copy it."""
+    i = occurrences(prompt, answer)[-1] + len(answer) - 1
+    return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
+
+
+def needle_picks(prompt, answer, picks, T):
+    """Retrieval's part in one answer -> (found: the needle's chunk, or the next whose memory saw it, picked
+    with weight > 0; hit@1: one of them got some upper group's largest weight; their weight (Eq. 3), mean over
+    the groups), or None in the last two chunks, which retrieval cannot pick (chunk c reads what chunk c-1's
+    landmark picked among chunks < c-1)."""
+    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
+    if not picks or need is None or need >= last - 1:
+        return None
+    on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
+    found = any(bool(m.any()) for m in on_needle)
+    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on_needle))
+    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+
+
+def wilson(k, n, z=1.96):
+    """The Wilson score interval of k successes in n: inside [0, 1], and not empty at 0/n or n/n."""
+    p, d = k / n, 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, mid - half), min(1.0, mid + half)

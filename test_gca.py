@@ -1786,7 +1786,7 @@ def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     acc = re.search(r"^\s+300\s+3\s+(\d+\.\d)% \[(\d+)-(\d+)\]", out, re.M)
     assert float(acc[1]) == (100.0 if reply == "." else 0.0), out
-    assert (int(acc[2]), int(acc[3])) == tuple(round(100 * b) for b in sample.wilson(3 * (reply == "."), 3))
+    assert (int(acc[2]), int(acc[3])) == tuple(round(100 * b) for b in tasks.wilson(3 * (reply == "."), 3))
     owners = re.findall(r"another needle's key: (\w+)'s\)$", out, re.M)
     assert owners == (re.findall(r"^other (\w+)$", out, re.M) if reply == "other" else []), out
 
@@ -1796,6 +1796,7 @@ def test_in_reach_counts_positions():
     positions as insert_landmarks lays them out (a landmark after every S-1 tokens); prompt_kwargs'
     'reach' puts a key just past it at every chunk phase."""
     import sample
+    import tasks
     model = DRT(tiny_config())  # S=8
     S, T, reach, answer = 8, 7, 20, [5, 6]
     cfg = type("Cfg", (), dict(n_lower=1, groups=(1,), window=10, chunk_size=S))  # window_reach 20
@@ -1808,17 +1809,17 @@ def test_in_reach_counts_positions():
             prompt[0:2] = prompt[i : i + 2] = answer  # two mentions: the later one counts
             ids, _ = insert_landmarks(torch.tensor([prompt]), model.config)
             pos = (ids[0] != model.config.landmark_id).nonzero().squeeze(1)  # the text tokens' positions
-            assert sample.in_reach(prompt, answer, T, reach) == (pos[-1] - pos[i + 1] < reach)
+            assert tasks.in_reach(prompt, answer, T, reach) == (pos[-1] - pos[i + 1] < reach)
             if n - 1 - (i + 1) == past:  # the key `past` tokens before the end: just out of reach
-                assert not sample.in_reach(prompt, answer, T, reach)
-            near += [sample.in_reach(prompt, answer, T, reach)] if n - 1 - (i + 1) == past - 1 else []
+                assert not tasks.in_reach(prompt, answer, T, reach)
+            near += [tasks.in_reach(prompt, answer, T, reach)] if n - 1 - (i + 1) == past - 1 else []
     assert any(near)  # one token nearer, and some phase brings it in reach: `past` is the fewest
 
 
 def test_needle_picks_hit_at_1():
     """hit@1: one of the needle's chunks (its own or the next) got the largest weight of a group's
     picks, in any upper group; found: it was picked with a weight > 0 at all."""
-    import sample
+    import tasks
     T, answer = 4, [5, 6]
     prompt = [9] * 40
     prompt[13:15] = answer  # the needle's chunk: 14 // 4 = 3
@@ -1828,20 +1829,20 @@ def test_needle_picks_hit_at_1():
              ([P([7, 1], [0.6, 0.3]), P([2, 3], [0.1, 0.5])], True, True),
              ([P([7, 1], [0.6, 0.3]), P([3, 2], [0.1, 0.5])], True, False), ([P([5, 6], [0.6, 0.3])], False, False)]
     for picks, found, top in cases:
-        assert sample.needle_picks(prompt, answer, picks, T)[:2] == (found, top), picks
+        assert tasks.needle_picks(prompt, answer, picks, T)[:2] == (found, top), picks
 
 
 def test_wilson_interval():
     """The Wilson interval's bounds are the proportions x where the score test |p - x| / se(x), se(x)
     = sqrt(x (1 - x) / n), equals z = 1.96; it holds p and stays in [0, 1], at 0/n and n/n too."""
-    import sample
+    import tasks
     for k, n in [(0, 5), (5, 5), (2, 2), (19, 20), (7, 20), (1, 10)]:
-        lo, hi = sample.wilson(k, n)
+        lo, hi = tasks.wilson(k, n)
         p = k / n
         assert 0 <= lo <= p <= hi <= 1 and lo < hi
         for x in (lo, hi):
             assert abs((p - x) ** 2 - 1.96**2 * x * (1 - x) / n) < 1e-12
-    assert sample.wilson(5, 5)[1] == pytest.approx(1) and sample.wilson(0, 5)[0] == pytest.approx(0)
+    assert tasks.wilson(5, 5)[1] == pytest.approx(1) and tasks.wilson(0, 5)[0] == pytest.approx(0)
 
 
 def test_key_owner():
@@ -2160,9 +2161,10 @@ def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
     with topk=1 a random model finds fewer. 'needle w' is the retrieval weight on the needle's chunks;
     'hit@1' counts the needles found with the largest weight, all those found where there is one pick."""
     import sample
+    import tasks
     _tokenizer_or_skip(monkeypatch)
     prompt, T = [5, 6, 7, 1, 2, 3, 8, 9, 1, 2, 4], 4
-    assert sample.needle_chunk(prompt, [1, 2, 4], T) == 9 // T and sample.needle_chunk(prompt, [4, 4], T) is None
+    assert tasks.needle_chunk(prompt, [1, 2, 4], T) == 9 // T and tasks.needle_chunk(prompt, [4, 4], T) is None
     found = {}
     for k in (64, 1):
         ckpt = tiny_checkpoint(tmp_path / f"k{k}.pt", topk=k)
