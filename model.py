@@ -74,6 +74,9 @@ class DRTConfig:
     softmax_off_by_one: bool = True  # Eq. 3 as exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
     retriever: str = "learned"   # "learned": top-k of Eq. 1; "random": uniform earlier chunks, weighted by Eq. 3 (Table 4's ablation); "none": weights 0
+    ret_dim: int = 0             # >0: Eq. 1 scores (W_q q).(W_k l) with projections of its own per group (RetrievalProjection); 0: q.l as the paper
+    enc_rope: bool = False       # the chunk encoder's positions: RoPE (the release; tells left from right) or, False, a symmetric ALiBi
+    gca_sink: bool = True        # the landmark slot's key/value are zero: a sink each GCA head may attend to, reading nothing (the release); False: the landmark is a key like the others
 
     def __post_init__(self):
         self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
@@ -91,6 +94,7 @@ class DRTConfig:
             (self.retriever in ("learned", "random", "none"),
              f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'"),
             (self.n_lower >= 0 and self.n_enc >= 0, "n_lower and n_enc must be >= 0"),
+            (self.ret_dim >= 0, f"ret_dim={self.ret_dim} must be >= 0 (0: Eq. 1 without projections)"),
         ]
         bad = [message for ok, message in checks if not ok]
         if bad:
@@ -134,6 +138,16 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
         return -slopes[:, None, None] * d.abs().float()
     visible = (d >= 0) & (d < window)
     return torch.where(visible, -slopes[:, None, None] * d.clamp(0, window).float(), float("-inf"))
+
+
+def rope(x):
+    """Rotary positions 0 .. L-1 on x (B, H, L, D), inside one chunk (L <= S: exact in any float)."""
+    L, D = x.shape[-2:]
+    inv_freq = 10000 ** -(torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # (D/2,)
+    angle = torch.arange(L, device=x.device, dtype=torch.float32)[:, None] * inv_freq  # (L, D/2)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = upcast(x).chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -260,7 +274,7 @@ class ChunkEncoder(nn.Module):
         self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
         self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
-        self.n_head = cfg.n_head
+        self.n_head, self.sink = cfg.n_head, cfg.gca_sink
         is_landmark = torch.arange(cfg.chunk_size).view(-1, 1, 1, 1) == cfg.chunk_size - 1  # (S, 1, 1, 1)
         self.register_buffer("is_landmark", is_landmark, persistent=False)
 
@@ -271,7 +285,7 @@ class ChunkEncoder(nn.Module):
             h = block(h)
         h = self.ln_f(h).view(B, n, S, C)
         kv = self.kv_mem(h).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
-        return kv.masked_fill(self.is_landmark, 0), h[:, :, -1]
+        return (kv.masked_fill(self.is_landmark, 0) if self.sink else kv), h[:, :, -1]
 
 
 # -----------------------------------------------------------------------------
@@ -309,6 +323,22 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
     return best_i.masked_fill(~eligible, 0), eligible
 
 
+class RetrievalProjection(nn.Module):
+    """ret_dim > 0: Eq. 1 as (W_q q).(W_k l_j) / sqrt(C), W_q, W_k (ret_dim, C) of the group's own. Eq. 1's
+    only parameter is otherwise a norm gain: the retriever's small gradient then moves the lower layers and
+    the encoder, shared with the LM, barely; parameters of its own get a full AdamW step. Returned as the
+    query W_k^T W_q q (B, n, C), which scores raw landmarks: the chunk store and streaming stay as they are.
+    W_q = W_k at init, entries N(0, 1/ret_dim): E[W^T W] = I, so the init scores are Eq. 1's (Johnson-Lindenstrauss)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        w = torch.randn(cfg.ret_dim, cfg.n_embd) / math.sqrt(cfg.ret_dim)
+        self.w_q, self.w_k = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+
+    def forward(self, q):  # q (B, n, C) -> (B, n, C)
+        return (q @ self.w_q.t().to(q.dtype)) @ self.w_k.to(q.dtype)
+
+
 def softmax_off_by_one(r, off_by_one=True):
     """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries get 0. The 1 is
     a virtual chunk of score 0 and empty output: a group may ignore poor picks. False: plain softmax."""
@@ -342,7 +372,8 @@ def retrieval_stats(records, K):
     """DRT.record's [(chunk ids (n,), idx, w (B, n, K))] -> means over landmarks with an earlier chunk
     of sum w, max w, entropy of w / sum w (log K: uniform) and distance in chunks."""
     sums, maxes, ents, dists = [], [], [], []
-    for t, idx, w in records:
+    sinks = [r[1] for r in records if isinstance(r[0], str)]  # UpperBlock's ("sink", (share, sum w)) entries
+    for t, idx, w in (r for r in records if not isinstance(r[0], str)):
         ok = (torch.arange(K, device=w.device) < t.clamp(max=K)[:, None]).expand_as(w)  # eligible picks come first
         keep = ok[..., 0]  # (B, n): landmarks with something to pick
         w = w.float() * ok
@@ -353,7 +384,11 @@ def retrieval_stats(records, K):
     if not sums:
         return {}
     cat = lambda xs: torch.cat(xs).mean().item()  # noqa: E731
-    return {"sum_w": cat(sums), "max_w": cat(maxes), "entropy": cat(ents), "distance": cat(dists)}
+    stats = {"sum_w": cat(sums), "max_w": cat(maxes), "entropy": cat(ents), "distance": cat(dists)}
+    weight = sum(s[1] for s in sinks)
+    if sinks and weight > 0:
+        stats["sink"] = (sum(s[0] for s in sinks) / weight).item()
+    return stats
 
 
 # -----------------------------------------------------------------------------
@@ -377,6 +412,21 @@ def gca_reference(q, k_mem, v_mem, idx, w):
         att = (torch.einsum("bnshd,bnthd->bnhst", q, k) / math.sqrt(D)).softmax(-1)  # (B, N, H, S, S)
         o = o + w[..., i, None, None, None] * torch.einsum("bnhst,bnthd->bnshd", att, v)
     return o.to(dtype)
+
+
+@torch.no_grad()
+def sink_share(q, k_mem, v_mem, idx, w):
+    """The share of GCA's attention on the landmark slot, the zero key that reads nothing, over queries
+    and heads, each pick weighted by w: near 1, GCA ignores what it retrieved whatever sum w says ->
+    (share, sum w) as tensors (no sync)."""
+    B, N, S, H, D = q.shape
+    b = torch.arange(B, device=q.device)[:, None]
+    share = q.new_zeros((), dtype=torch.float32)
+    for i in range(idx.size(-1)):
+        k = upcast(k_mem[b, idx[..., i]])  # (B, N, S, H, D)
+        att = (torch.einsum("bnshd,bnthd->bnhst", upcast(q), k) / math.sqrt(D)).softmax(-1)  # (B, N, H, S, S)
+        share += (w[..., i, None, None].float() * att[..., -1]).sum() / (S * H)
+    return share, w.float().sum()
 
 
 def gca(q, k_mem, v_mem, idx, w):
@@ -422,6 +472,7 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg, causal):
         super().__init__()
         self.causal, self.n_head, self.window = causal, cfg.n_head, cfg.window
+        self.rope = cfg.enc_rope and not causal
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)
@@ -433,6 +484,8 @@ class SelfAttention(nn.Module):
             y = window_attention(q, k, v, pos0, self.window, self.slopes, ring)
             if ring is not None:
                 ring.write(k, v, pos0 + torch.arange(L, device=x.device))
+        elif self.rope:
+            y = F.scaled_dot_product_attention(rope(q), rope(k), v)
         else:
             pos = torch.arange(L, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(pos, pos, self.slopes).to(q.dtype))
@@ -465,13 +518,16 @@ class UpperBlock(Block):
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.S, self.n_head = cfg.chunk_size, cfg.n_head
 
-    def forward(self, x, mem, pos0=0, ring=None, offset=0):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
+    def forward(self, x, mem, pos0=0, ring=None, offset=0, record=None):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
         h1 = x + self.attn(self.ln_1(x), pos0, ring)
         if mem is None:  # nothing retrievable yet (the first two chunks of a stream)
             return h1 + self.mlp(self.ln_2(h1))
         B, L, C = x.shape
         q = to_chunks(self.q_proj(self.ln_q(h1)), offset, self.S)  # (B, n_chunks, S, C)
-        o = gca(q.unflatten(-1, (self.n_head, C // self.n_head)), *mem)  # (B, n_chunks, S, H, D)
+        q = q.unflatten(-1, (self.n_head, C // self.n_head))  # (B, n_chunks, S, H, D)
+        o = gca(q, *mem)  # (B, n_chunks, S, H, D)
+        if record is not None:
+            record.append(("sink", sink_share(q, *mem)))
         o = from_chunks(o.flatten(-2), offset, L)  # (B, L, C)
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
@@ -540,11 +596,12 @@ class DRT(nn.Module):
         self.lower = nn.ModuleList(Block(cfg) for _ in range(cfg.n_lower))
         self.encoder = ChunkEncoder(cfg) if cfg.groups else None
         self.ret_norm = nn.ModuleList(RMSNorm(cfg.n_embd) for _ in cfg.groups)  # RMSNorm_g of Eq. 1
+        self.ret_proj = nn.ModuleList(RetrievalProjection(cfg) for _ in cfg.groups) if cfg.ret_dim else None
         self.upper = nn.ModuleList(UpperBlock(cfg) for _ in range(cfg.n_upper))
         self.ln_f = RMSNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
-        self.record = None  # a list to collect every retrieval into (retrieval_stats, sample.py --inspect), or None
+        self.record = None  # a list to collect every retrieval (chunk ids, idx, w) and each upper layer's ("sink", share) into, or None
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, 0.02)
@@ -602,7 +659,7 @@ class DRT(nn.Module):
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
                     mem = (*kv.unbind(3), picks, w)
             for block in itertools.islice(upper, size):
-                x = block(x, mem)  # self-attention, then GCA (Eq. 2) into the MLP
+                x = block(x, mem, record=self.record)  # self-attention, then GCA (Eq. 2) into the MLP
         return self.logits_and_loss(x, 0, idx.size(1), targets, return_logits)
 
     @torch.no_grad()
@@ -619,6 +676,8 @@ class DRT(nn.Module):
         in topk_earlier, landmarks_at(picks) -> their l_j -> picks, w (B, n, K)."""
         cfg = self.config
         q = self.ret_norm[g](h)  # (B, n, C)
+        if self.ret_proj is not None:
+            q = self.ret_proj[g](q)
         picks, eligible = topk_earlier(q, pages, chunk_ids, cfg.topk, self.training and cfg.gumbel,
                                        cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
         w = retrieval_weights(q, landmarks_at(picks), eligible, cfg)  # (B, n, K): Eq. 3
@@ -817,7 +876,7 @@ def forward_segment(model, idx, state, memory_only=False):
             picks, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
             mem = (*(state.prefetched[g] if n_chunks == 1 and carried is not None else store.gather(picks)), w)
         for block in itertools.islice(upper, size):
-            x = block(x, mem, pos0, next(rings), offset)
+            x = block(x, mem, pos0, next(rings), offset, model.record)
         if made is not None:  # the last landmark's picks serve the next segment's first chunk
             state.picks[g] = (made[0][:, -1:], made[1][:, -1:].detach())
             state.prefetched[g] = store.gather(state.picks[g][0])  # from the host, the copy overlaps the call's rest

@@ -161,13 +161,14 @@ def list_books(source, split, max_books=None):
     return sorted(books, key=lambda b: (isinstance(b[0], str), b[0]))
 
 def read_titles(source):
-    """{book_id: title} from metadata.csv, if there is one; with or without a header row."""
+    """{book_id: title} from metadata.csv (prepare_code.py: {name: directory}), if there is one; with or
+    without a header row."""
     path = os.path.join(source, "metadata.csv")
     if not os.path.isfile(path):
         return {}
     with open(path, newline="", encoding="utf-8", errors="replace") as f:  # informational only
         rows = [r for r in csv.reader(f) if len(r) >= 2]
-    return {r[0]: r[1] for r in rows if r[0].isdigit()}  # a header row ("_id,...") drops out here
+    return {r[0]: r[1] for r in rows if r[0] != "_id"}  # the sample's header row ("_id,...") is no book
 
 def _check_book(path):
     """(bytes read, None) if the book is readable UTF-8, else (bytes read, what is wrong)."""

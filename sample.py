@@ -17,6 +17,7 @@ chunks to the GPU. Every argument is checked before the checkpoint loads.
 """
 
 import argparse
+import json
 import math
 import os
 import random
@@ -302,6 +303,16 @@ BUCKETS = [0, 2**10, 2**12, 2**14, 2**16, 2**18, 2**20]  # position buckets 0-1K
 PPL_SEGMENT = 16384  # --ppl holds one segment's (segment, vocab) logits at a time
 
 
+def book_names(path):
+    """The ids of a .bin's books (a PG19 number, a code directory) from the meta.json beside it, else []."""
+    try:
+        with open(os.path.join(os.path.dirname(path), "meta.json")) as f:
+            splits = json.load(f)["splits"].values()
+        return next([str(o[0]) for o in m["offsets"]] for m in splits if m["file"] == os.path.basename(path))
+    except (OSError, ValueError, KeyError, StopIteration):
+        return []
+
+
 def read_docs(path, enc, max_tokens=None):
     """--docs (a folder of .txt, one .txt, or a .bin cut at its <|endoftext|>) -> [(name, ids)], at most max_tokens."""
     if os.path.isdir(path):
@@ -317,7 +328,10 @@ def read_docs(path, enc, max_tokens=None):
         if f.endswith(".bin"):
             ids = np.fromfile(f, dtype=np.uint16).astype(np.int64)
             books = np.split(ids, np.flatnonzero(ids == EOT) + 1)  # each book ends with its <|endoftext|>
-            docs += [(f"{os.path.basename(f)}#{i}", book[book != EOT]) for i, book in enumerate(books)]
+            names = book_names(f) + [""]  # the empty piece after the last <|endoftext|>
+            if len(names) != len(books):  # no meta.json beside it, or not this file's
+                names = [f"{os.path.basename(f)}#{i}" for i in range(len(books))]
+            docs += [(name, book[book != EOT]) for name, book in zip(names, books)]
         else:
             with open(f, encoding="utf-8", errors="replace") as fh:
                 docs.append((os.path.basename(f), np.array(enc.encode_ordinary(fh.read()), dtype=np.int64)))

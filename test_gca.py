@@ -358,6 +358,68 @@ def test_retriever_learns():
     assert all(model.ret_norm[g].weight.grad.abs().sum() > 0 for g in range(2))
 
 
+@pytest.mark.parametrize("option", [dict(ret_dim=16), dict(gca_sink=False), dict(enc_rope=True)],
+                         ids=["ret_dim", "no_sink", "enc_rope"])
+def test_retrieval_options_stream_and_train(option):
+    """Each option off the paper's form: a stream cut into segments computes what one forward does,
+    and training reaches every parameter, the new ones too."""
+    model = tiny_model(groups=(1, 1), **option)
+    idx = tokens(model.config, 2, 97, seed=3)
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    model.eval()
+    state, outs = model.new_state(), []
+    for s in range(0, 97, 23):
+        outs.append(all_logits(model, idx[:, s : s + 23], state))
+    assert rel_err(torch.cat(outs, 1), all_logits(model, idx)) < 1e-10
+
+
+def test_retrieval_projection_starts_as_eq1():
+    """ret_dim: W_q = W_k at init with E[W^T W] = I, so the query it scores with is Eq. 1's, up to
+    a random projection's error (~ sqrt(C / ret_dim)); 0 adds no parameter."""
+    assert not any("ret_proj" in n for n, _ in tiny_model().named_parameters())
+    proj = drt.RetrievalProjection(tiny_config(ret_dim=4096))
+    assert torch.equal(proj.w_q, proj.w_k)
+    q = torch.randn(3, 5, 32)
+    assert rel_err(proj(q), q) < 0.2
+
+
+def test_gca_sink_option():
+    """gca_sink=True (default): the landmark slot's key and value are zero, GCA's sink; False: a key like the others."""
+    x = torch.randn(2, 3, 8, 32, dtype=torch.float64)
+    for sink in (True, False):
+        kv, _ = tiny_model(gca_sink=sink).encoder(x)  # (B, n, S, 2, H, D)
+        assert bool((kv[:, :, -1] == 0).all()) is sink and kv[:, :, :-1].abs().sum() > 0
+
+
+def test_enc_rope_tells_left_from_right():
+    """The symmetric ALiBi encoder cannot tell a chunk from its mirror image (reversed in, reversed
+    out); RoPE can (enc_rope=True, the release's)."""
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    for rope in (False, True):
+        block = tiny_model(enc_rope=rope).encoder.blocks[0]
+        mirrored = torch.allclose(block(x.flip(1)), block(x).flip(1), atol=1e-10)
+        assert mirrored is not rope
+
+
+def test_sink_share():
+    """sink_share: with every memory key zero, each of the S keys (the sink among them) gets 1/S; the
+    weights scale it; retrieval_stats divides by them."""
+    B, N, S, H, D, K = 2, 3, 8, 2, 4, 2
+    q = torch.randn(B, N, S, H, D, dtype=torch.float64)
+    k = torch.zeros(B, 5, S, H, D, dtype=torch.float64)
+    w = torch.full((B, N, K), 0.5, dtype=torch.float64)
+    share, total = drt.sink_share(q, k, k, torch.randint(0, 5, (B, N, K)), w)
+    assert share.item() == pytest.approx(total.item() / S) and total.item() == pytest.approx(B * N)
+    k[:, :, :-1] = -10.0  # with positive queries, every other key's logit lies far below the sink's 0
+    share, total = drt.sink_share(q.abs() + 0.1, k, k, torch.zeros(B, N, K, dtype=torch.long), w)
+    assert share.item() / total.item() > 0.99
+    t = torch.arange(3)
+    stats = drt.retrieval_stats([(t, torch.zeros(1, 3, K, dtype=torch.long), torch.ones(1, 3, K) / K), ("sink", (share, total))], K)
+    assert stats["sink"] == pytest.approx(share.item() / total.item())
+
+
 def test_picks_read_one_chunk_later():
     """The picks made at the landmark of chunk c are what chunk c+1 reads: a segment's chunks read
     the picks carried from before it, then those of its own landmarks, the last of which (if the
@@ -882,6 +944,11 @@ def test_state_holds_no_graph():
     assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
 
 
+def retrievals(record):
+    """DRT.record's retrievals (chunk ids, idx, w), without the upper blocks' ("sink", ...) entries."""
+    return [r for r in record if not isinstance(r[0], str)]
+
+
 def stream_picks(model, idx, state=None):
     """The chunks picked at every landmark of idx (1, T), per group: [(n, K) sorted] — from one
     forward (state=None) or token by token through a StreamState."""
@@ -889,7 +956,7 @@ def stream_picks(model, idx, state=None):
     if state is None:
         model.record = []  # one (chunk ids, idx, w) per group
         model(idx)
-        records, model.record = model.record, None
+        records, model.record = retrievals(model.record), None
         return [records[g][1][0].sort(-1).values for g in range(G)]
     picks = [[] for _ in range(G)]
     for t in range(idx.size(1)):
@@ -2021,12 +2088,12 @@ def test_retriever_random_and_none(monkeypatch):
     model.record = []
     _, learned = model(idx, idx)
     model.config.retriever = "random"
-    (t, picks_l, _), = model.record
+    (t, picks_l, _), = retrievals(model.record)
     for seed in (0, 1):
         model.record, seen[:] = [], []
         torch.manual_seed(seed)
         model(idx, idx)
-        (_, picks, w), (q, lm) = model.record[0], seen[0]
+        (_, picks, w), (q, lm) = retrievals(model.record)[0], seen[0]
         ok = torch.arange(K) < t.clamp(max=K)[:, None]  # (n, K) eligible slots
         assert (picks[:, ok] < t[:, None].expand(-1, K)[ok]).all()  # strictly earlier
         assert all(len(set(row[m].tolist())) == int(m.sum()) for row in picks for row, m in zip(row, ok))  # distinct
@@ -2127,11 +2194,12 @@ def test_repeat_passage_lies_past_the_reach():
 
 
 def test_train_reports_retrieval_health(tmp_path, capsys):
-    """Each evaluation line of a DRT run carries sum w and max w (a dying retriever shows there);
-    the baseline's does not."""
+    """Each evaluation line of a DRT run carries sum w, max w and GCA's sink share (a dying retriever,
+    or GCA reading nothing, shows there); the baseline's does not."""
     train.main(tiny_args(tmp_path, "drt", "--max_iters=3"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
-    assert len(lines) == 2 and all(re.search(r"\| retrieval: sum w [01]\.\d{3}, max w [01]\.\d{3}$", x) for x in lines)
+    health = r"\| retrieval: sum w [01]\.\d{3}, max w [01]\.\d{3}, sink [01]\.\d\d$"
+    assert len(lines) == 2 and all(re.search(health, x) for x in lines)
     train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--groups=()", "--n_lower=2"))
     assert "retrieval:" not in capsys.readouterr().out
 
@@ -2840,3 +2908,104 @@ def test_bench_kernel_inputs():
     assert q.shape == do.shape == (2, 5, 8, 2, 16) and k.shape == v.shape == (2, 5, 8, 2, 16) and idx.shape == (2, 5, 3)
     assert (idx[:, 1:, 0] == 0).all() and (w[:, 0] == 0).all()  # hot: chunk 0 first; chunk 0 has nothing to pick
     assert rel_err(bench.gca_naive(q, k, v, idx, w), gca_reference(q, k, v, idx, w)) < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# the code corpus (prepare_code.py): a made-up Linux-like tree, documents per directory
+
+
+def _code_tree(root):
+    """A tree with a document for each rule of prepare_code.py -> {directory: what it must give}."""
+    import prepare_code as pc
+    def big(tag, kib):  # a file of kib KiB or a line more
+        line = f"int {tag}(void) {{ return 0; }}\n"
+        return line * (kib * 1024 // len(line) + 1)
+    by_split = {}  # the first directories d0, d1, ... whose sha1 falls in each split (reserved: None)
+    for i in range(200):
+        by_split.setdefault(pc.split_of(f"lib/d{i}"), f"lib/d{i}")
+    files = {
+        "kernel/sched": {"b.c": big("b", 120), "a.c": big("a", 60), "z.h": big("z", 30), "c.h": big("c", 30),
+                         "notes.txt": "not code", "Makefile": "obj-y += a.o"},
+        "kernel/big": {f"f{i}.c": big(f"f{i}", 250) for i in range(12)},  # 12 x 250 KiB: the 2 MiB cap stops it
+        "kernel/skip": {"huge.c": big("huge", 300), "latin1.c": b"caf\xe9 " * 80000, "ok.c": big("ok", 210)},
+        "kernel/small": {"s.c": big("s", 150)},  # under the 200 KiB floor
+        "arch/x86/kernel": {"x.c": big("x", 250)}, "tools/perf": {"p.c": big("p", 250)},
+        "drivers/gpu/drm/amd/include/asic": {"r.h": big("r", 250)},
+        "drivers/gpu/drm/amd/display": {"d.c": big("d", 250)},  # beside the excluded include/: kept
+        **{d: {"m.c": big(d.replace("/", "_"), 210)} for d in by_split.values()},
+    }
+    for d, fs in files.items():
+        (root / d).mkdir(parents=True, exist_ok=True)
+        for name, text in fs.items():
+            (root / d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    (root / "kernel/skip/link.c").symlink_to(root / "kernel/skip/ok.c")  # a link is no file of its own
+    return files, by_split
+
+
+def test_code_corpus_builder(tmp_path):
+    """prepare_code.py's rules on a made-up tree: excluded folders, .h then .c in name order with their
+    headers, files over 256 KiB / not UTF-8 / links skipped, the 2 MiB cap, the 200 KiB floor, the split
+    rule with the reserved range written nowhere, and the same documents from the folder and its .tar.xz."""
+    import tarfile
+
+    import prepare_code as pc
+    files, by_split = _code_tree(tmp_path / "linux-6.12")
+    counts = pc.build(str(tmp_path / "linux-6.12"), str(tmp_path / "raw"), log=lambda s: None)
+    written = {p.relative_to(tmp_path / "raw").as_posix(): p.read_text() for p in (tmp_path / "raw").rglob("*.txt")}
+    where = {name.split("/")[1][:-4].replace("__", "/"): name.split("/")[0] for name in written}
+    assert "kernel/small" not in where and not any(d.startswith(("arch", "tools", "drivers/gpu/drm/amd/include")) for d in where)
+    assert by_split[None] not in where  # reserved: written nowhere
+    for split in ("train", "validation", "test"):
+        assert where[by_split[split]] == split
+    for d in ("kernel/sched", "kernel/big", "kernel/skip", "drivers/gpu/drm/amd/display"):
+        assert where[d] == pc.split_of(d)
+    doc = lambda d: written[f"{where[d]}/{d.replace('/', '__')}.txt"]  # noqa: E731
+    sched = doc("kernel/sched")
+    heads = re.findall(r"^// file: (.*)$", sched, re.M)
+    assert heads == ["kernel/sched/c.h", "kernel/sched/z.h", "kernel/sched/a.c", "kernel/sched/b.c"]
+    assert sched == "\n".join(f"// file: kernel/sched/{n}\n{files['kernel/sched'][n]}" for n in ("c.h", "z.h", "a.c", "b.c"))
+    big = doc("kernel/big")
+    n_files = len(re.findall(r"^// file: ", big, re.M))
+    assert len(big) > pc.DOC_CAP and n_files < 12  # stopped once past 2 MiB ...
+    assert len(big.rsplit("\n// file: ", 1)[0]) <= pc.DOC_CAP  # ... and not before
+    assert re.findall(r"^// file: (.*)$", doc("kernel/skip"), re.M) == ["kernel/skip/ok.c"]
+    assert counts == {"train": sum(s == "train" for s in where.values()), "validation": sum(s == "validation" for s in where.values()),
+                      "test": sum(s == "test" for s in where.values()), "reserved": 1}
+    meta_rows = (tmp_path / "raw/metadata.csv").read_text().splitlines()
+    assert meta_rows[0] == "_id,directory" and "kernel__sched,kernel/sched" in meta_rows
+    # the archive of the same tree gives the same bytes; a second build replaces the first whole
+    (tmp_path / "kernel/skip").mkdir(parents=True)
+    with tarfile.open(tmp_path / "linux.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "linux-6.12", arcname="linux-source-6.12")
+    pc.build(str(tmp_path / "linux.tar.xz"), str(tmp_path / "raw"), log=lambda s: None)
+    again = {p.relative_to(tmp_path / "raw").as_posix(): p.read_text() for p in (tmp_path / "raw").rglob("*.txt")}
+    assert again == written and not (tmp_path / "raw.tmp").exists()
+    with pytest.raises(ValueError, match="no directory holds 200 KiB"):
+        pc.build(str(tmp_path / "kernel"), str(tmp_path / "raw2"), log=lambda s: None)
+    with pytest.raises(FileNotFoundError, match="expected a Linux source tree"):
+        pc.build(str(tmp_path / "nope"), str(tmp_path / "raw2"), log=lambda s: None)
+
+
+def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
+    """prepare_code.py end to end on a made-up tree: tokenized as PG19 is, read by train.py, scored by
+    sample.py --ppl with the documents named by their directories."""
+    import prepare_code as pc
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    _code_tree(tmp_path / "tree")
+    out = tmp_path / "code"
+    pc.main(["--source", str(tmp_path / "tree"), "--out", str(out), "--num_proc=1", "--max_books=2"])
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["books"] == 2
+    assert all(meta["titles"][b] == b.replace("__", "/") for m in meta["splits"].values() for b, _, _ in m["offsets"])
+    names = [name for name, _ in sample.read_docs(str(out / "test.bin"), enc=None)]
+    assert names == [b for b, _, _ in meta["splits"]["test"]["offsets"]]  # named as in meta.json: its directory
+    small = ["--n_embd=32", "--n_head=2", "--n_lower=1", "--groups=(1,)", "--n_enc=1", "--window=128", "--topk=2",
+             "--batch_size=2", "--block_size=252", "--tokens_per_step=0", "--max_iters=2", "--eval_interval=2", "--eval_iters=1",
+             "--log_interval=1", "--device=cpu"]
+    hist = train.main([*small, "--dataset=code", f"--data_dir={out}", f"--out_dir={tmp_path / 'run'}"])
+    assert [it for it, _ in hist] == [1, 2]
+    capsys.readouterr()
+    sample.main([f"--out_dir={tmp_path / 'run'}", "--ppl", f"--docs={out}/test.bin", "--max_tokens=2000", "--device=cpu"])
+    text = capsys.readouterr().out
+    assert re.search(r"^\s+1K-4K\s+976\s+\d+\.\d\d$", text, re.M)  # tokens 1,024-1,999 predicted

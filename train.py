@@ -287,7 +287,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             losses, ret = estimate_loss(eval_model, raw_model, data, c, autocast)
             log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {math.exp(losses['train']):.2f}), "
                 f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})"
-                + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else ""))
+                + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else "")
+                + (f", sink {ret['sink']:.2f}" if "sink" in ret else ""))
             improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
             if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
                 saved = save(losses["val"])  # the last step too: out_dir must end up holding this run

@@ -1,0 +1,168 @@
+"""
+A long-document code corpus for DRT: a Linux source tree, one document per directory, in PG19's
+layout, then tokenized as PG19 is (GPT-2 BPE, uint16 .bin files). C code refers back to what it
+defined thousands of tokens earlier (struct fields, helpers, macros): far references that a
+retriever can use, in far more tokens than 24 books hold.
+
+    apt-get download linux-source-6.12 && dpkg -x linux-source-6.12_*.deb linux    # Debian / Ubuntu
+    python prepare_code.py --source linux/usr/src/linux-source-6.12.tar.xz         # -> data/code
+    python prepare_code.py --source ~/src/linux-6.12 --max_books=100               # an unpacked tree (kernel.org);
+                                                                                   # the first 100 train documents
+
+The documents, so that everyone who builds from the same tree gets the same ones:
+- a document per directory below the root (path relative to it, /-separated), except those under
+  EXCLUDED (architecture code, tools and generated register tables: long, and of another kind);
+- its *.h files, then its *.c files, each group in name order, each as "// file: <dir>/<name>\n" + its
+  text, the files joined by "\n"; a file over 256 KiB, not UTF-8, or a symbolic link is skipped; once
+  the document has passed 2 MiB (characters) no further file is added; one under 200 KiB is dropped;
+- its split from h = int(sha1(<dir>).hexdigest(), 16) % 100: h < 4 test, h < 8 validation, h < 12
+  reserved (written nowhere: kept for checks from outside the project), the rest train.
+linux-source-6.12 (6.12.118) gives 775 documents: train 683, validation 38, test 24 (30 reserved).
+
+Output: <out>/raw/{train,validation,test}/<dir with / as __>.txt and metadata.csv (name, directory),
+then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py writes them.
+"""
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tarfile
+import time
+
+from prepare_pg19 import _print, prepare
+
+EXCLUDED = ("arch", "tools", "scripts", "samples", "Documentation", "usr", "drivers/gpu/drm/amd/include")
+MAX_FILE = 256 * 1024       # bytes: larger files are generated tables, not code one reads
+DOC_CAP = 2 * 1024 * 1024   # characters: no file is added once a document has passed this
+DOC_MIN = 200 * 1024        # characters: shorter documents are dropped (nothing far to refer to)
+
+
+def split_of(d):
+    """The split of directory d: 'test', 'validation', 'train', or None (reserved)."""
+    h = int(hashlib.sha1(d.encode()).hexdigest(), 16) % 100
+    return "test" if h < 4 else "validation" if h < 8 else None if h < 12 else "train"
+
+
+def kept(d):
+    return d != "" and not any(d == e or d.startswith(e + "/") for e in EXCLUDED)
+
+
+def wanted(name):
+    return name.endswith((".c", ".h"))
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def tree_files(source, log=_print):
+    """{dir: {name: bytes}}: the .c and .h files of every kept directory of source, a folder or a tar
+    archive (.tar, .tar.xz, .tar.gz; its one top folder is the root), files over MAX_FILE left out."""
+    files, t0, n = {}, time.time(), 0
+
+    def add(d, name, read):
+        nonlocal t0, n
+        files.setdefault(d, {})[name] = read()
+        n += 1
+        if time.time() - t0 > 5:
+            log(f"read {n:,} files, now in {d}/")
+            t0 = time.time()
+
+    if os.path.isdir(source):
+        for root, dirs, names in os.walk(source):
+            dirs.sort()
+            d = os.path.relpath(root, source).replace(os.sep, "/")
+            d = "" if d == "." else d
+            for name in sorted(names):
+                path = os.path.join(root, name)
+                if kept(d) and wanted(name) and not os.path.islink(path) and os.path.getsize(path) <= MAX_FILE:
+                    add(d, name, lambda: read_bytes(path))
+    elif os.path.isfile(source) and tarfile.is_tarfile(source):
+        with tarfile.open(source, "r|*") as tar:  # a stream: one pass over the compressed file
+            for m in tar:
+                parts = m.name.strip("/").split("/")
+                d, name = "/".join(parts[1:-1]), parts[-1]  # parts[0]: the archive's top folder
+                if m.isfile() and len(parts) > 2 and kept(d) and wanted(name) and m.size <= MAX_FILE:
+                    add(d, name, lambda: tar.extractfile(m).read())
+    else:
+        raise FileNotFoundError(f"--source {source}: expected a Linux source tree, a folder or a .tar.xz")
+    return files
+
+
+def document(d, files):
+    """The text of directory d from its {name: bytes}, or None if under DOC_MIN characters."""
+    parts, n = [], 0
+    for name in sorted(f for f in files if f.endswith(".h")) + sorted(f for f in files if f.endswith(".c")):
+        if n > DOC_CAP:
+            break
+        try:
+            text = files[name].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        parts.append(f"// file: {d}/{name}\n{text}")
+        n += len(parts[-1]) + (len(parts) > 1)  # the joining "\n"
+    return "\n".join(parts) if n >= DOC_MIN else None
+
+
+def build(source, raw_dir, log=_print):
+    """Write the documents of source under raw_dir in PG19's layout -> {split: count} (reserved too).
+    Written beside and swapped in whole: raw_dir never mixes two builds."""
+    tree, counts = tree_files(source, log), {"train": 0, "validation": 0, "test": 0, "reserved": 0}
+    tmp = raw_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for s in ("train", "validation", "test"):
+        os.makedirs(os.path.join(tmp, s))
+    rows = ["_id,directory"]
+    for d in sorted(tree):
+        text = document(d, tree[d])
+        if text is None:
+            continue
+        split = split_of(d)
+        counts[split or "reserved"] += 1
+        if split is None:
+            continue
+        name = d.replace("/", "__")
+        with open(os.path.join(tmp, split, name + ".txt"), "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        rows.append(f"{name},{d}")
+    with open(os.path.join(tmp, "metadata.csv"), "w", encoding="utf-8") as f:
+        f.write("\n".join(rows) + "\n")
+    if not sum(counts.values()):
+        shutil.rmtree(tmp)
+        raise ValueError(f"--source {source}: no directory holds {DOC_MIN // 1024} KiB of .c/.h files: "
+                         f"is it a Linux source tree?")
+    shutil.rmtree(raw_dir, ignore_errors=True)
+    os.replace(tmp, raw_dir)
+    log("documents: " + ", ".join(f"{s} {n}" for s, n in counts.items()) + f" -> {raw_dir}")
+    return counts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Build and tokenize the Linux-code corpus (a document per directory).")
+    p.add_argument("--source", required=True, help="a Linux source tree: a folder, or its .tar.xz "
+                   "(Debian's linux-source-6.12 package holds usr/src/linux-source-6.12.tar.xz)")
+    p.add_argument("--out", default="data/code", help="output folder: raw/ documents, train.bin, val.bin, test.bin, meta.json")
+    p.add_argument("--max_books", type=int, default=None, help="tokenize only the first N documents of each split, "
+                   "by file name (a smaller train split for a quick run); default: all")
+    p.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default min(8, CPU count))")
+    p.add_argument("--tokenizer_file", default=None, help="local GPT-2 BPE ranks file; default: env DRT_GPT2_RANKS")
+    args = p.parse_args(argv)
+    if args.max_books is not None and args.max_books < 1:
+        raise SystemExit(f"prepare_code.py: error: --max_books={args.max_books}: give a positive number, or leave it out")
+    t0, raw = time.time(), os.path.join(args.out, "raw")
+    try:
+        build(args.source, raw)
+        meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books)
+    except (OSError, ValueError, RuntimeError, tarfile.TarError) as e:
+        raise SystemExit(f"prepare_code.py: error: {e}")
+    except KeyboardInterrupt:
+        print(f"prepare_code.py: interrupted: {args.out} keeps the dataset it had", file=sys.stderr)
+        raise SystemExit(130)
+    counts = ", ".join(f"{s} {m['tokens']:,}" for s, m in meta["splits"].items())
+    _print(f"done in {time.time() - t0:.1f}s: {counts} tokens -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
