@@ -32,7 +32,7 @@ import time
 import torch
 
 import model as drt
-from common import fmt_len, parse_lengths, peak_flops, peak_mem_gib
+from common import MAX_LENGTH, fmt_len, parse_lengths, peak_flops, peak_mem_gib, stream_memory_error
 from model import DRT, DRTConfig
 
 # -----------------------------------------------------------------------------
@@ -264,6 +264,11 @@ def bench_train(args, dev):
 
 @torch.no_grad()
 def bench_long(args, dev):
+    for L in parse_lengths(args.lengths):  # sample.py's checks, before anything runs for hours
+        why = (L > MAX_LENGTH and f"{fmt_len(L)} tokens is past the {fmt_len(MAX_LENGTH)} DRT's streams are tested to"
+               or stream_memory_error(L, args.n_embd, DRTConfig.chunk_size, dev, args.offload, 2 if dev.type == "cuda" else 4))
+        if why:
+            raise SystemExit(f"bench.py: error: --lengths: {why}")
     cfg = DRTConfig(n_embd=args.n_embd, n_head=args.n_embd // 64, n_lower=2, groups=(2,), n_enc=1,
                     window=256, topk=4)
     torch.manual_seed(0)

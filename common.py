@@ -113,6 +113,23 @@ def available_mem():
         return None
 
 
+MAX_LENGTH = 2**26  # 64M tokens: the longest stream sample.py's tests and bench.py --long take
+
+
+def stream_memory_error(L, n_embd, chunk_size, device, offload, nbytes):
+    """None if the chunk keys/values of an L-token stream (2*d*nbytes per text token x S/(S-1)) fit in
+    the memory that holds them (the GPU's, or the host's with offload or on a CPU), else why not."""
+    import torch
+    on_gpu = device.type == "cuda" and not offload
+    need = L * 2 * n_embd * nbytes * chunk_size / (chunk_size - 1)
+    free = torch.cuda.mem_get_info(device)[0] if on_gpu else available_mem()
+    if free is None or need <= free:
+        return None
+    return (f"a {fmt_len(L)}-token prompt holds {need / 1e9:.2f} GB of chunk keys/values in "
+            f"{'GPU' if on_gpu else 'host'} memory, and {free / 1e9:.2f} GB are available: use shorter lengths"
+            + (" or --offload (host memory)" if on_gpu else ""))
+
+
 def peak_mem_gib(device="cpu"):
     """Peak memory in GiB: on a GPU the most torch allocated there (since the last
     torch.cuda.reset_peak_memory_stats), else this process's peak resident host memory."""

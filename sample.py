@@ -102,7 +102,7 @@ def generate(model, enc, prompt, args, ctx):
 # themselves (--inspect, §4.4)
 
 LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
-MAX_LENGTH = 2**26  # 64M tokens: the longest --lengths takes
+MAX_LENGTH = common.MAX_LENGTH  # 64M tokens: the longest --lengths takes
 PROGRESS_AFTER = 10  # seconds between progress lines: short work stays quiet
 
 
@@ -186,14 +186,9 @@ def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
 def check_memory(model, L, args):
     """Refuse a length whose chunk memory (2*d*bytes per text token x S/(S-1)) cannot fit, before it runs for hours."""
     cfg, device = model.config, next(model.parameters()).device
-    on_gpu = device.type == "cuda" and not args.offload
     size = 2 if device.type == "cuda" and args.dtype != "float32" else 4  # autocast on CUDA alone
-    need = L * 2 * cfg.n_embd * size * cfg.chunk_size / (cfg.chunk_size - 1)
-    free = torch.cuda.mem_get_info(device)[0] if on_gpu else common.available_mem()
-    if free is not None and need > free:
-        error(f"--lengths: a {fmt_len(L)}-token prompt holds {need / 1e9:.2f} GB of chunk keys/values in "
-              f"{'GPU' if on_gpu else 'host'} memory, and {free / 1e9:.2f} GB are available: use shorter lengths"
-              + (" or --offload (host memory)" if on_gpu else ""))
+    if why := common.stream_memory_error(L, cfg.n_embd, cfg.chunk_size, device, args.offload, size):
+        error(f"--lengths: {why}")
 
 
 @torch.no_grad()
@@ -381,7 +376,7 @@ def perplexity(model, docs, modes, args, ctx):
         if (n := table[modes[0]][b][0]):
             print(f"{bucket:>10} {n:>10,} " + " ".join(f"{math.exp(table[m][b][1]):>12.2f}" for m in modes))
     for m, st in stats.items():
-        if st:
+        if st and m != "none":  # none: every weight 0, nothing retrieved to describe
             print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
                   f"(uniform over the picks: {math.log(cfg.topk):.2f}), mean distance {st['distance']:.1f} chunks")
     return table
@@ -393,13 +388,15 @@ def inspect(model, enc, docs, at, args, ctx):
     holding token `at` of the first document -> [(group, [(chunk, w)] by w)]."""
     name, ids = docs[0]
     T = model.config.chunk_size - 1
-    c = min(at, len(ids) - 1) // T  # the chunk being predicted
+    if at >= len(ids):
+        error(f"--at={at}: the first document, {name}, has {len(ids):,} tokens: use --at below that")
+    c = at // T  # the chunk being predicted
     if c < 2:
         error(f"--at={at}: token {at} lies in chunk {c}; chunks 0 and 1 retrieve nothing: use --at >= {2 * T}")
     show = lambda j: repr(enc.decode(ids[j * T : (j + 1) * T].tolist()))  # noqa: E731
     state = model.new_state(offload=args.offload)
     with ctx:  # the dtype of every other test
-        prefill(model, ids[: c * T], state, args.segment)  # through the landmark of chunk c-1
+        prefill(model, ids[: c * T], state, args.segment, Progress(f"{name}: reading", c * T))  # through chunk c-1's landmark
     print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []

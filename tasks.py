@@ -325,9 +325,14 @@ class TextRows:
             raise ValueError(f"{data_dir}/meta.json not found: prepare the data first, e.g. {prepare} "
                              f"(or --dataset={'|'.join(TASKS)})")
         with open(os.path.join(data_dir, "meta.json")) as f:
-            self.c, self.vocab, self.splits, self.reach = c, json.load(f)["vocab_size"], {}, window_reach(c)
+            meta = json.load(f)
+        self.c, self.vocab, self.splits, self.reach = c, meta["vocab_size"], {}, window_reach(c)
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
+            size, listed = os.path.getsize(path), meta["splits"].get(split, {}).get("tokens")
+            if size % 2 or (listed is not None and size != 2 * listed):  # a copy cut short, or another run's file
+                raise ValueError(f"{path} has {size:,} bytes, " + (f"{listed:,} uint16 tokens by its meta.json" if listed
+                                 is not None else "not a whole number of uint16 tokens") + f": prepare the data again, e.g. {prepare}")
             tokens = np.memmap(path, dtype=np.uint16, mode="r")
             if len(tokens) < c.block_size + 1:
                 raise ValueError(f"{path} has {len(tokens):,} tokens, fewer than block_size+1={c.block_size + 1:,}; "

@@ -1127,8 +1127,9 @@ def test_overrides():
     (["--device=tpu"], r"^device='tpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'$"),
     (["--dataset=passkey,nope"], r"^dataset='passkey,nope': a comma list is of synthetic tasks, each one of passkey, "),
     (["--learning_rate=-1"], r"^learning_rate=-1.0 must be >= 0$"),
+    (["--max_iters=-5"], r"^max_iters=-5 must be a positive int$"),  # the one wrong value, not stop_iter's range too
 ], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file",
-        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr"])
+        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr", "negative-iters"])
 def test_config_errors(argv, message):
     with pytest.raises(train.ConfigError, match=message):
         train.main(argv)
@@ -1154,6 +1155,25 @@ def test_data_checked_before_anything(tmp_path):
         train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
     assert not (tmp_path / "out").exists()
     train.main(tiny_args(tmp_path, "out", "--max_iters=1", "--eval_iters=1"))  # the data as made: it trains
+
+
+def test_data_sizes_checked_against_meta(tmp_path):
+    """A .bin cut short (its meta.json counts more tokens) or of an odd byte count: one line naming the
+    file, before anything is built."""
+    data = Path(tiny_dataset(tmp_path / "data"))
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"] = {"train": {"tokens": 5000}, "val": {"tokens": 1000}}
+    (data / "meta.json").write_text(json.dumps(meta))
+    train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'ok'}", "--max_iters=1", "--eval_iters=1"])  # as listed: it trains
+    (data / "train.bin").write_bytes((data / "train.bin").read_bytes()[:8000])
+    with pytest.raises(train.ConfigError, match=r"train.bin has 8,000 bytes, 5,000 uint16 tokens by its meta.json: prepare"):
+        train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    (data / "train.bin").write_bytes((data / "train.bin").read_bytes() + b"x")
+    del meta["splits"]["train"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(train.ConfigError, match=r"train.bin has 8,001 bytes, not a whole number of uint16 tokens"):
+        train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_setup_errors(tmp_path):
@@ -2142,6 +2162,7 @@ def test_ppl_by_position(tmp_path, monkeypatch, capsys):
     assert table["learned"][1][1] == pytest.approx(whole[1023:].mean().item(), abs=1e-4)
     out = capsys.readouterr().out
     assert re.search(r"^\s+1K-4K\s+476\s+\d+\.\d\d\s+\d+\.\d\d$", out, re.M) and "retrieval learned: sum w" in out
+    assert "retrieval none" not in out  # no weights, no picks read: nothing to describe
     monkeypatch.setattr(drt, "softmax_off_by_one", lambda r, off_by_one=True: torch.zeros_like(r))
     zeroed = sample.perplexity(model, docs, ["learned"], args, ctx)["learned"]
     filled = lambda rows: [row for row in rows if row[0]]  # noqa: E731 (empty buckets are nan)
@@ -2171,6 +2192,8 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
     assert f"chunk {c} (tokens" in out and out.count(" back): ") == 2 * model.config.topk
     with pytest.raises(SystemExit, match="retrieve nothing"):
         sample.inspect(model, enc, [("doc", ids)], 70, args, torch.autocast("cpu", enabled=False))
+    with pytest.raises(SystemExit, match=r"--at=1200: the first document, doc, has 1,200 tokens: use --at below that"):
+        sample.inspect(model, enc, [("doc", ids)], 1200, args, torch.autocast("cpu", enabled=False))
 
 
 def test_repeat_passage_lies_past_the_reach():
@@ -2879,6 +2902,19 @@ def test_bench_without_gpu(mode, monkeypatch):
     assert msg.startswith("bench.py: error: no CUDA GPU") and "\n" not in msg
     k = re.search(r"python -m pytest -q test_gca.py -k (\w+)$", msg).group(1)
     assert [n for n in globals() if n.startswith("test_flash_gca") and k in n]  # run on a CPU, not CUDA-only
+
+
+def test_bench_long_checks_lengths(monkeypatch):
+    """bench.py --long refuses, before streaming, what sample.py refuses: past 64M tokens, or chunk memory
+    past what is available."""
+    import bench
+    monkeypatch.setattr(bench, "DRT", lambda cfg: pytest.fail("started"))
+    with pytest.raises(SystemExit, match=r"^bench.py: error: --lengths: 1024M tokens is past the 64M DRT's streams"):
+        bench.main(["--long", "--device=cpu", "--lengths=64K,1G"])
+    monkeypatch.setattr(common, "available_mem", lambda: 10**6)
+    with pytest.raises(SystemExit, match=r"^bench.py: error: --lengths: a 64K-token prompt holds 0.14 GB of chunk "
+                                         r"keys/values in host memory, and 0.00 GB are available: use shorter lengths$"):
+        bench.main(["--long", "--device=cpu", "--lengths=64K"])
 
 
 def test_bench_cuda_device_has_an_index(monkeypatch):

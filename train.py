@@ -116,7 +116,7 @@ def check_config(config):
     bad += [f"{k}={config[k]!r} must be one of {', '.join(v)}" for k, v in choices.items() if config[k] not in v]
     keys, digits = tasks.parse_range(c.task_keys, 2, 16), tasks.parse_range(c.task_digits, 3, 7)
     bad += [why for wrong, why in [
-        (not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
+        (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
         (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
          f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
