@@ -356,15 +356,20 @@ def perplexity(model, docs, modes, args, ctx):
     cfg = model.config
     print(f"\nperplexity by position: {len(docs)} document(s), {sum(len(d) - 1 for _, d in docs):,} tokens, each "
           f"streamed from its first token in segments of {min(args.segment, PPL_SEGMENT):,}")
-    table, stats = {}, {}
+    table, stats, curves = {}, {}, {}
     for mode in modes:
         cfg.retriever, model.record = mode, []
         sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
+        fine = torch.zeros(2, 4 * 40, dtype=torch.float64)  # --plot: loss sum and count in quarter octaves of position
         for name, ids in docs:
             nll = doc_nll(model, ids, args, ctx, name).double()
-            bucket = torch.bucketize(torch.arange(1, len(ids)), torch.tensor(BUCKETS), right=True) - 1  # predicted's
+            pos = torch.arange(1, len(ids))  # the predicted token's position
+            bucket = torch.bucketize(pos, torch.tensor(BUCKETS), right=True) - 1
             sums.index_add_(0, bucket, nll)
             counts += torch.bincount(bucket, minlength=len(BUCKETS))
+            quarter = (4 * pos.double().log2()).long()
+            fine[0].index_add_(0, quarter, nll), fine[1].index_add_(0, quarter, torch.ones_like(nll))
+        curves[mode] = fine
         table[mode] = ([(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
                        + [(int(counts.sum()), (sums.sum() / counts.sum()).item())])
         stats[mode] = retrieval_stats(model.record, cfg.topk)
@@ -378,8 +383,54 @@ def perplexity(model, docs, modes, args, ctx):
     for m, st in stats.items():
         if st and m != "none":  # none: every weight 0, nothing retrieved to describe
             print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
-                  f"(uniform over the picks: {math.log(cfg.topk):.2f}), mean distance {st['distance']:.1f} chunks")
+                  f"(uniform over the picks: {math.log(cfg.topk):.2f}), mean distance {st['distance']:.1f} chunks"
+                  + (f", sink {st['sink']:.2f}" if "sink" in st else ""))
+    if getattr(args, "plot", None):
+        plot_ppl(curves, cfg, args.plot, f"{len(docs)} document(s) of {args.docs}")
     return table
+
+
+def pyplot():
+    """matplotlib's pyplot, imported only for --plot (an optional requirement), drawing to files alone."""
+    try:
+        import matplotlib
+    except ImportError:
+        error("--plot needs matplotlib, an optional requirement: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_ppl(curves, cfg, path, what):
+    """--ppl --plot: perplexity against position (log scale), a curve per retrieval mode, the windows' reach marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for mode, (sums, counts) in curves.items():
+        ok = counts > 0
+        x = 2 ** ((torch.nonzero(ok)[:, 0].double() + 0.5) / 4)  # each quarter octave at its middle
+        ax.plot(x, (sums[ok] / counts[ok]).exp(), label=f"retrieval {mode}")
+    ax.axvline(window_reach(cfg), color="gray", ls=":", label="the windows' reach")
+    ax.set(xscale="log", yscale="log", xlabel="position in the document (tokens)", ylabel="perplexity", title=what)
+    ax.legend(), fig.tight_layout(), fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def plot_picks(records, cfg, path, what):
+    """--inspect --plot: for every landmark of the stream (x), the chunks each group picked (y: how far back),
+    coloured by their weight (Eq. 3), the windows' reach marked."""
+    plt = pyplot()
+    G = len(cfg.groups)
+    fig, axes = plt.subplots(1, G, figsize=(6.4 * G, 3.6), squeeze=False)
+    for g, ax in enumerate(axes[0]):
+        t, idx, w = (torch.cat(parts, min(i, 1)) for i, parts in enumerate(zip(*records[g::G])))  # (n,), (1, n, K) x 2
+        back = (t[None, :, None] - idx).float()  # picks made at landmark t, read by chunk t+1
+        keep = (w > 0) & (back > 0)
+        dots = ax.scatter(t[None, :, None].expand_as(idx)[keep], back[keep], c=w[keep].float(), s=4, cmap="viridis", vmin=0)
+        ax.axhline(window_reach(cfg) / cfg.chunk_size, color="gray", ls=":", label="the windows' reach")
+        ax.set(yscale="log", xlabel="landmark (chunk)", ylabel="picked chunk: chunks back", title=f"{what}, group {g}")
+        ax.legend(loc="upper left"), fig.colorbar(dots, ax=ax, label="weight w")
+    fig.tight_layout(), fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 @torch.no_grad()
@@ -394,9 +445,13 @@ def inspect(model, enc, docs, at, args, ctx):
     if c < 2:
         error(f"--at={at}: token {at} lies in chunk {c}; chunks 0 and 1 retrieve nothing: use --at >= {2 * T}")
     show = lambda j: repr(enc.decode(ids[j * T : (j + 1) * T].tolist()))  # noqa: E731
-    state = model.new_state(offload=args.offload)
+    state, model.record = model.new_state(offload=args.offload), [] if getattr(args, "plot", None) else None
     with ctx:  # the dtype of every other test
         prefill(model, ids[: c * T], state, args.segment, Progress(f"{name}: reading", c * T))  # through chunk c-1's landmark
+    if model.record is not None:
+        retrieved = [r for r in model.record if not isinstance(r[0], str)]  # per segment, group 0, 1, ...
+        plot_picks(retrieved, model.config, args.plot, f"{name}, retrieval {model.config.retriever}")
+        model.record = None
     print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
@@ -455,6 +510,9 @@ def check_args(args):
         ((args.ppl or args.inspect) and not args.docs,
          "--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)"),
         (args.max_tokens is not None and args.max_tokens < 2, f"--max_tokens={args.max_tokens}: must be >= 2"),
+        (args.plot and args.ppl == args.inspect, "--plot draws --ppl's curves or --inspect's picks: give one of them"),
+        (args.plot and args.inspect and len((args.retrieval or "").split(",")) > 1,
+         "--inspect --plot draws one retrieval mode: give one --retrieval"),
         (any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")),
          f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them"),
         (kind == "cpu" and args.dtype != "float32",
@@ -526,6 +584,8 @@ def arg_parser():
     lm.add_argument("--docs", default=None, help="a folder of .txt, one .txt, or a .bin of prepare_pg19.py")
     lm.add_argument("--max_tokens", type=int, default=None, help="--ppl: the first N tokens of each document only")
     lm.add_argument("--at", type=int, default=4096, help="--inspect: the token of the first document to show")
+    lm.add_argument("--plot", default=None, metavar="FILE.png", help="--ppl: perplexity against position, a curve per "
+                    "--retrieval mode; --inspect: every pick up to --at; needs matplotlib (pip install matplotlib)")
     return p
 
 
@@ -533,6 +593,8 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
+    if args.plot:
+        pyplot()  # a missing matplotlib says so now, not after the model has run
     testing = tasks or args.copying or args.ppl or args.inspect
     prompt = None if testing else read_prompt(args.prompt)
     try:

@@ -2196,6 +2196,28 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
         sample.inspect(model, enc, [("doc", ids)], 1200, args, torch.autocast("cpu", enabled=False))
 
 
+def test_plots(tmp_path, monkeypatch, capsys):
+    """--plot: --ppl's curves and --inspect's picks as PNG files; without matplotlib, one line before the
+    model loads."""
+    import sample
+    _tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1))
+    np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16).tofile(tmp_path / "d.bin")
+    run = [f"--ckpt={ckpt}", f"--docs={tmp_path / 'd.bin'}", "--device=cpu", "--segment=500"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"^sample.py: error: --plot needs matplotlib, an optional requirement: pip install"):
+        sample.main([*run, "--ppl", f"--plot={tmp_path / 'p.png'}"])
+    with pytest.raises(SystemExit, match="give one of them"):
+        sample.main([*run, "--ppl", "--inspect", f"--plot={tmp_path / 'p.png'}"])
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    sample.main([*run, "--ppl", "--retrieval=learned,none", f"--plot={tmp_path / 'ppl.png'}"])
+    sample.main([*run, "--inspect", "--at=2500", f"--plot={tmp_path / 'picks.png'}"])
+    out = capsys.readouterr().out
+    for name in ("ppl.png", "picks.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {tmp_path / name}" in out
+
+
 def test_repeat_passage_lies_past_the_reach():
     """tasks.repeat_passage (train.py --repeat_frac): one passage of 63-504 tokens recurs, more than the windows' reach
     after its first reading; the rest of the row is untouched."""
