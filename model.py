@@ -370,7 +370,8 @@ def read_one_chunk_later(carried, made, n_chunks):
 
 def retrieval_stats(records, K):
     """DRT.record's [(chunk ids (n,), idx, w (B, n, K))] -> means over landmarks with an earlier chunk
-    of sum w, max w, entropy of w / sum w (log K: uniform) and distance in chunks."""
+    of sum w, max w, entropy of w / sum w (log K: uniform) and distance in chunks; and from its
+    ("sink", ...) entries GCA's attention on the landmark slot, weighted by w (sink_share)."""
     sums, maxes, ents, dists = [], [], [], []
     sinks = [r[1] for r in records if isinstance(r[0], str)]  # UpperBlock's ("sink", (share, sum w)) entries
     for t, idx, w in (r for r in records if not isinstance(r[0], str)):

@@ -406,9 +406,13 @@ def plot_ppl(curves, cfg, path, what):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for mode, (sums, counts) in curves.items():
-        ok = counts > 0
-        x = 2 ** ((torch.nonzero(ok)[:, 0].double() + 0.5) / 4)  # each quarter octave at its middle
-        ax.plot(x, (sums[ok] / counts[ok]).exp(), label=f"retrieval {mode}")
+        x, y, first, total, n = [], [], 0, 0.0, 0
+        for b in range(len(counts)):  # quarter octaves merged until a point averages 256 tokens: no noise at the start
+            total, n = total + sums[b].item(), n + counts[b].item()
+            if n >= 256 or (b == len(counts) - 1 and n):
+                x.append(2 ** ((first + b + 1) / 8)), y.append(math.exp(total / n))  # at the merged range's middle
+                first, total, n = b + 1, 0.0, 0
+        ax.plot(x, y, label=f"retrieval {mode}")
     ax.axvline(window_reach(cfg), color="gray", ls=":", label="the windows' reach")
     ax.set(xscale="log", yscale="log", xlabel="position in the document (tokens)", ylabel="perplexity", title=what)
     ax.legend(), fig.tight_layout(), fig.savefig(path, dpi=100)
