@@ -401,6 +401,13 @@ def pyplot():
     return plt
 
 
+def save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    print(f"wrote {path}")
+
+
 def plot_ppl(curves, cfg, path, what):
     """--ppl --plot: perplexity against position (log scale), a curve per retrieval mode, the windows' reach marked."""
     plt = pyplot()
@@ -410,13 +417,14 @@ def plot_ppl(curves, cfg, path, what):
         for b in range(len(counts)):  # quarter octaves merged until a point averages 256 tokens: no noise at the start
             total, n = total + sums[b].item(), n + counts[b].item()
             if n >= 256 or (b == len(counts) - 1 and n):
-                x.append(2 ** ((first + b + 1) / 8)), y.append(math.exp(total / n))  # at the merged range's middle
+                x.append(2 ** ((first + b + 1) / 8))  # the merged range's middle, on the log scale
+                y.append(math.exp(total / n))
                 first, total, n = b + 1, 0.0, 0
         ax.plot(x, y, label=f"retrieval {mode}")
     ax.axvline(window_reach(cfg), color="gray", ls=":", label="the windows' reach")
     ax.set(xscale="log", yscale="log", xlabel="position in the document (tokens)", ylabel="perplexity", title=what)
-    ax.legend(), fig.tight_layout(), fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    ax.legend()
+    save(fig, path)
 
 
 def plot_picks(records, cfg, path, what):
@@ -432,9 +440,9 @@ def plot_picks(records, cfg, path, what):
         dots = ax.scatter(t[None, :, None].expand_as(idx)[keep], back[keep], c=w[keep].float(), s=4, cmap="viridis", vmin=0)
         ax.axhline(window_reach(cfg) / cfg.chunk_size, color="gray", ls=":", label="the windows' reach")
         ax.set(yscale="log", xlabel="landmark (chunk)", ylabel="picked chunk: chunks back", title=f"{what}, group {g}")
-        ax.legend(loc="upper left"), fig.colorbar(dots, ax=ax, label="weight w")
-    fig.tight_layout(), fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+        ax.legend(loc="upper left")
+        fig.colorbar(dots, ax=ax, label="weight w")
+    save(fig, path)
 
 
 @torch.no_grad()
