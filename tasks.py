@@ -331,8 +331,8 @@ class TextRows:
             path = os.path.join(data_dir, f"{split}.bin")
             size, listed = os.path.getsize(path), meta["splits"].get(split, {}).get("tokens")
             if size % 2 or (listed is not None and size != 2 * listed):  # a copy cut short, or another run's file
-                raise ValueError(f"{path} has {size:,} bytes, " + (f"{listed:,} uint16 tokens by its meta.json" if listed
-                                 is not None else "not a whole number of uint16 tokens") + f": prepare the data again, e.g. {prepare}")
+                should = f"{listed:,} uint16 tokens by its meta.json" if listed is not None else "not a whole number of uint16 tokens"
+                raise ValueError(f"{path} has {size:,} bytes, {should}: prepare the data again, e.g. {prepare}")
             tokens = np.memmap(path, dtype=np.uint16, mode="r")
             if len(tokens) < c.block_size + 1:
                 raise ValueError(f"{path} has {len(tokens):,} tokens, fewer than block_size+1={c.block_size + 1:,}; "
