@@ -257,12 +257,13 @@ def copy_far_span(cfg):
     return window_reach(cfg) + 8
 
 
-def pass_losses(model, span, passes, ctx, name):
-    """span (n, k) seen `passes` times in a row -> the mean loss on each pass."""
+def pass_losses(model, span, passes, ctx, name, only=None):
+    """span (n, k) seen `passes` times in a row -> the mean loss on each pass (or on pass `only` alone)."""
     x = torch.from_numpy(np.tile(span, passes)).to(next(model.parameters()).device)  # (n, passes * k)
     k, out = span.shape[1], []
-    progress = Progress(f"{name}, {k}-token spans", passes, "passes")
-    for s in range(0, passes * k, k):  # one pass's targets at a time: never (n, passes * k, vocab) logits
+    runs = range(0, passes * k, k) if only is None else [only * k]
+    progress = Progress(f"{name}, {k}-token spans", len(runs), "passes")
+    for s in runs:  # one pass's targets at a time: never (n, passes * k, vocab) logits
         y = torch.full_like(x[:, 1:], -1)
         y[:, s : s + k - 1] = x[:, s + 1 : s + k]
         with ctx:
@@ -271,24 +272,50 @@ def pass_losses(model, span, passes, ctx, name):
     return out
 
 
+def twin_picks(k, S, K):
+    """For a span of k tokens read twice: chunk c's landmark picks, for chunk c+1 of the second reading,
+    the two chunks of the first reading that hold its text (an oracle retriever) -> f(chunk ids (n,)) ->
+    (n, K), -1 where there is no twin yet (DRT.hand_picks)."""
+    T = S - 1  # text tokens per chunk
+
+    def picks(chunk_ids):
+        first = (T * (chunk_ids + 1) - k) // T  # the first reading's chunk of chunk c+1's first token
+        ok = (T * (chunk_ids + 1) >= k) & (first + 1 < chunk_ids)  # in the second reading, strictly earlier
+        twins = first[:, None] + torch.arange(K, device=chunk_ids.device) % 2  # (n, K): first, first+1, first, ...
+        return torch.where(ok[:, None], twins, -1)
+    return picks
+
+
 @torch.no_grad()
 def copy_test(model, args, ctx, haystack=None):
     """The mean loss on each pass of spans seen 3 times in a row in the window, and of spans past the windows'
-    reach seen twice, whose copy must come through retrieval and GCA -> {span kind: [pass 1-3, far 1-2]}."""
+    reach seen twice, whose copy must come through retrieval and GCA; `twins`: far 2 again with the right
+    chunks handed to GCA (none without retrieval) -> {span kind: [pass 1-3, far 1-2, twins]}."""
     cfg, n, rng = model.config, args.samples, random.Random(f"{args.seed}-copying")
     L, L_far = copy_span(cfg), copy_far_span(cfg)
     kinds = {"random tokens": lambda k: np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])}
     if haystack is not None:
         kinds["book text"] = lambda k: np.stack([haystack.sample(k, rng) for _ in range(n)])  # (n, k)
     print(f"\ncopying, retrieval {cfg.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
-          f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach); mean loss "
-          f"per pass (without a pass's first token, which no earlier occurrence predicts)")
-    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8}"
+          f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach; twins: "
+          f"far 2 with each chunk reading the first reading's chunks that hold its text, which tells the "
+          f"read path from the retriever); mean loss per pass (without a pass's first token, which no earlier "
+          f"occurrence predicts)")
+    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8} {'twins':>8}"
     print(header + "\n" + "-" * len(header))
     losses = {}
     for name, rows in kinds.items():
-        losses[name] = pass_losses(model, rows(L), 3, ctx, name) + pass_losses(model, rows(L_far), 2, ctx, name)
-        print(f"{name:>14} " + " ".join(f"{v:>8.2f}" for v in losses[name]), flush=True)
+        far = rows(L_far)
+        losses[name] = pass_losses(model, rows(L), 3, ctx, name) + pass_losses(model, far, 2, ctx, name)
+        twins = float("nan")
+        if cfg.groups:
+            model.hand_picks = twin_picks(L_far, cfg.chunk_size, cfg.topk)
+            try:
+                twins = pass_losses(model, far, 2, ctx, f"{name} (twins)", only=1)[0]
+            finally:
+                model.hand_picks = None
+        losses[name].append(twins)
+        print(f"{name:>14} " + " ".join(f"{v:>8.2f}" if v == v else f"{'-':>8}" for v in losses[name]), flush=True)
     return losses
 
 
@@ -572,7 +599,8 @@ def arg_parser():
     test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
     test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X")
     test.add_argument("--copying", action="store_true",
-                      help="in-context copying: the loss on spans seen 1-3 times, and on repeats past the windows")
+                      help="in-context copying: the loss on spans seen 1-3 times, and on repeats past the windows, "
+                           "with retrieval and with the right chunks handed over (twins)")
     test.add_argument("--lengths", default=LENGTHS, help="context lengths in tokens (up to 64M)")
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
                       help="test prompts per length and test")

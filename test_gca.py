@@ -2019,7 +2019,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     import sample
 
     class Induction(torch.nn.Module):  # copies from L and from L_far back, where those are within its reach
-        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,), retriever="learned")
+        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,), retriever="learned", topk=2)
 
         def __init__(self, reach):
             super().__init__()
@@ -2039,9 +2039,9 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
 
     args, ctx, lnV = SimpleNamespace(seed=0, samples=2), torch.autocast("cpu", enabled=False), math.log(50257)
     assert sample.copy_far_span(Induction.config) == 392  # 3 layers x 128 positions + 8
-    (p1, p2, p3, far1, far), = sample.copy_test(Induction(reach=10**6), args, ctx).values()
-    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and abs(far1 - lnV) < 1e-3 and far < 1e-3
-    (p1, p2, p3, far1, far), = sample.copy_test(Induction(reach=384), args, ctx).values()  # the windows' reach only
+    (p1, p2, p3, far1, far, twins), = sample.copy_test(Induction(reach=10**6), args, ctx).values()
+    assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and abs(far1 - lnV) < 1e-3 and far < 1e-3 and twins < 1e-3
+    (p1, p2, p3, far1, far, twins), = sample.copy_test(Induction(reach=384), args, ctx).values()  # the windows' reach only
     assert abs(p1 - lnV) < 1e-3 and p2 < 1e-3 and p3 < 1e-3 and abs(far1 - lnV) < 1e-3 and abs(far - lnV) < 1e-3
     capsys.readouterr()
     enc = _tokenizer_or_skip(monkeypatch)
@@ -2050,9 +2050,45 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
     sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={tmp_path / 'book.bin'}"])
-    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){5})$", capsys.readouterr().out, re.M)
+    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){6})$", capsys.readouterr().out, re.M)
     assert [r[0] for r in rows] == ["random tokens", "book text"]
     assert all(4 < float(v) < 20 for _, vals in rows for v in vals.split())  # an untrained model: no copying
+
+
+def test_twins_handed_to_gca():
+    """--copying's twins column: each chunk of a span's second reading is handed the chunks of the first
+    reading that hold its text, strictly earlier; DRT.hand_picks reads them in a forward and a stream
+    alike, keeps Eq. 1's picks where it says -1, and with -1 everywhere changes nothing."""
+    import sample
+    k, S, K = 30, 8, 3
+    picks = sample.twin_picks(k, S, K)(torch.arange(2 * k // (S - 1)))  # (n, K)
+    handed = 0
+    for c, row in enumerate(picks.tolist()):
+        need = {t % k for t in range((S - 1) * (c + 1), min((S - 1) * (c + 2), 2 * k))}  # chunk c+1's text
+        if row[0] < 0:
+            assert (S - 1) * (c + 1) < k + S - 1 or c + 1 >= 2 * k // (S - 1)  # no whole twin earlier than c
+            continue
+        handed += 1
+        have = {t for j in row for t in range((S - 1) * j, (S - 1) * (j + 1))}
+        assert max(row) < c and need <= have, (c, row)
+    assert handed >= 3
+    model = tiny_model(groups=(1, 1), softmax_off_by_one=False)
+    model.eval()
+    x = tokens(model.config, 2, k, seed=5).repeat(1, 2)  # (2, 2k): the span read twice
+    plain = all_logits(model, x)
+    model.hand_picks, model.record = sample.twin_picks(k, S, K), []
+    handed_logits = all_logits(model, x)
+    got = [r[1] for r in model.record if not isinstance(r[0], str)]  # the picks (B, n, K), per group
+    assert len(got) == 2
+    for idx in got:
+        want = picks[: idx.size(1)]
+        assert torch.equal(idx[:, want[:, 0] >= 0], want[want[:, 0] >= 0].expand(2, -1, -1))
+    assert not torch.allclose(plain, handed_logits)  # GCA read other chunks
+    state = model.new_state()
+    streamed = torch.cat([all_logits(model, x[:, s : s + 11], state) for s in range(0, 2 * k, 11)], 1)
+    assert rel_err(streamed, handed_logits) < 1e-10
+    model.hand_picks = lambda ids: torch.full((len(ids), K), -1)
+    assert torch.equal(all_logits(model, x), plain)
 
 
 def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
