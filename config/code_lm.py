@@ -4,6 +4,7 @@
 #   python prepare_code.py --source linux/usr/src/linux-source-6.12.tar.xz
 #   python train.py config/code_lm.py                              # ~5 minutes on one H200
 #   python train.py config/code_lm.py --n_lower=7 --groups="()"    # the sliding-window baseline, 31.7M
+#   python train.py config/code_lm.py --n_lower=7 --groups="()" --window=8320  # full attention over the row: the ceiling
 out_dir = "out-code"
 dataset = "code"
 eval_interval = 300
