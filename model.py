@@ -77,6 +77,7 @@ class DRTConfig:
     ret_dim: int = 0             # >0: Eq. 1 scores (W_q q).(W_k l) with projections of its own per group (RetrievalProjection); 0: q.l as the paper
     enc_rope: bool = False       # the chunk encoder's positions: RoPE (the release; tells left from right) or, False, a symmetric ALiBi
     gca_sink: bool = True        # the landmark slot's key/value are zero: a sink each GCA head may attend to, reading nothing (the release); False: the landmark is a key like the others
+    center_memory: bool = False  # GCA's keys/values from the encoder's states minus their chunk's mean, then normalised: what tells the tokens apart at full scale
 
     def __post_init__(self):
         self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
@@ -274,7 +275,7 @@ class ChunkEncoder(nn.Module):
         self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
         self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
-        self.n_head, self.sink = cfg.n_head, cfg.gca_sink
+        self.n_head, self.sink, self.center = cfg.n_head, cfg.gca_sink, cfg.center_memory
         is_landmark = torch.arange(cfg.chunk_size).view(-1, 1, 1, 1) == cfg.chunk_size - 1  # (S, 1, 1, 1)
         self.register_buffer("is_landmark", is_landmark, persistent=False)
 
@@ -283,9 +284,12 @@ class ChunkEncoder(nn.Module):
         h = self.ln_in(x.reshape(B * n, S, C))
         for block in self.blocks:
             h = block(h)
-        h = self.ln_f(h).view(B, n, S, C)
-        kv = self.kv_mem(h).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
-        return (kv.masked_fill(self.is_landmark, 0) if self.sink else kv), h[:, :, -1]
+        h = h.view(B, n, S, C)
+        l = self.ln_f(h[:, :, -1])  # (B, n, C) the landmark, Eq. 1's key
+        if self.center:  # a chunk's states share a large part (the residual stream's bias), which
+            h = h - h[:, :, :-1].mean(2, keepdim=True)  # a norm would keep and shrink the tokens' own parts under
+        kv = self.kv_mem(self.ln_f(h)).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
+        return (kv.masked_fill(self.is_landmark, 0) if self.sink else kv), l
 
 
 # -----------------------------------------------------------------------------

@@ -358,8 +358,8 @@ def test_retriever_learns():
     assert all(model.ret_norm[g].weight.grad.abs().sum() > 0 for g in range(2))
 
 
-@pytest.mark.parametrize("option", [dict(ret_dim=16), dict(gca_sink=False), dict(enc_rope=True)],
-                         ids=["ret_dim", "no_sink", "enc_rope"])
+@pytest.mark.parametrize("option", [dict(ret_dim=16), dict(gca_sink=False), dict(enc_rope=True), dict(center_memory=True)],
+                         ids=["ret_dim", "no_sink", "enc_rope", "center_memory"])
 def test_retrieval_options_stream_and_train(option):
     """Each option off the paper's form: a stream cut into segments computes what one forward does,
     and training reaches every parameter, the new ones too."""
@@ -383,6 +383,26 @@ def test_retrieval_projection_starts_as_eq1():
     assert torch.equal(proj.w_q, proj.w_k)
     q = torch.randn(3, 5, 32)
     assert rel_err(proj(q), q) < 0.2
+
+
+def test_center_memory_option():
+    """center_memory: GCA's keys/values come from the encoder's states minus their chunk's mean over its
+    text positions, then normalised, so that a part every position shares (which dominates trained
+    states) no longer shrinks what tells them apart; the landmark l (Eq. 1's key) is unchanged."""
+    torch.manual_seed(0)
+    c, noise = torch.randn(32, dtype=torch.float64), torch.randn(2, 3, 8, 32, dtype=torch.float64)
+    x = 10 * c + 0.1 * noise  # (B, n, S, C): a shared part 100x the positions' own
+    outs = {}
+    for center in (False, True):
+        enc = tiny_model(n_enc=0, center_memory=center).encoder
+        kv, l = enc(x)
+        h = enc.ln_in(x)
+        h_mem = h - h[:, :, :-1].mean(2, keepdim=True) if center else h
+        want = enc.kv_mem(enc.ln_f(h_mem)).unflatten(-1, (2, 4, 8)).masked_fill(enc.is_landmark, 0)
+        assert rel_err(kv, want) < 1e-12 and rel_err(l, enc.ln_f(h)[:, :, -1]) < 1e-12
+        k = F.normalize(kv[:, :, :-1, 0].flatten(-2), dim=-1)  # (B, n, S-1, C) text keys
+        outs[center] = (k @ k.transpose(-1, -2)).mean().item()  # mean cosine between a chunk's keys
+    assert outs[False] > 0.99 and outs[True] < 0.5, outs
 
 
 def test_gca_sink_option():
