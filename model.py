@@ -286,8 +286,8 @@ class ChunkEncoder(nn.Module):
             h = block(h)
         h = h.view(B, n, S, C)
         l = self.ln_f(h[:, :, -1])  # (B, n, C) the landmark, Eq. 1's key
-        if self.center:  # a chunk's states share a large part (the residual stream's bias), which
-            h = h - h[:, :, :-1].mean(2, keepdim=True)  # a norm would keep and shrink the tokens' own parts under
+        if self.center:  # drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
+            h = h - h[:, :, :-1].mean(2, keepdim=True)
         kv = self.kv_mem(self.ln_f(h)).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
         return (kv.masked_fill(self.is_landmark, 0) if self.sink else kv), l
 

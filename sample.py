@@ -315,7 +315,7 @@ def copy_test(model, args, ctx, haystack=None):
             finally:
                 model.hand_picks = None
         losses[name].append(twins)
-        print(f"{name:>14} " + " ".join(f"{v:>8.2f}" if v == v else f"{'-':>8}" for v in losses[name]), flush=True)
+        print(f"{name:>14} " + " ".join(f"{'-':>8}" if math.isnan(v) else f"{v:>8.2f}" for v in losses[name]), flush=True)
     return losses
 
 
