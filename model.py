@@ -78,6 +78,8 @@ class DRTConfig:
     enc_rope: bool = False       # the chunk encoder's positions: RoPE (the release; tells left from right) or, False, a symmetric ALiBi
     gca_sink: bool = True        # the landmark slot's key/value are zero: a sink each GCA head may attend to, reading nothing (the release); False: the landmark is a key like the others
     center_memory: bool = False  # GCA's keys/values from the encoder's states minus their chunk's mean, then normalised: what tells the tokens apart at full scale
+    pool_retrieval: bool = False  # Eq. 1 on chunk content: query = chunk t's mean last-lower-layer text state minus the mean over chunks 0..t, key l_j = the encoder's mean over chunk j's text; False: landmark slots (the paper)
+    read_next: bool = False      # GCA reads the chunk after each pick (j+1 <= t, still before the reader t+1), weighted by the pick's score: what followed a similar chunk
 
     def __post_init__(self):
         self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
@@ -275,7 +277,7 @@ class ChunkEncoder(nn.Module):
         self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
         self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
-        self.n_head, self.sink, self.center = cfg.n_head, cfg.gca_sink, cfg.center_memory
+        self.n_head, self.sink, self.center, self.pool = cfg.n_head, cfg.gca_sink, cfg.center_memory, cfg.pool_retrieval
         is_landmark = torch.arange(cfg.chunk_size).view(-1, 1, 1, 1) == cfg.chunk_size - 1  # (S, 1, 1, 1)
         self.register_buffer("is_landmark", is_landmark, persistent=False)
 
@@ -285,7 +287,7 @@ class ChunkEncoder(nn.Module):
         for block in self.blocks:
             h = block(h)
         h = h.view(B, n, S, C)
-        l = self.ln_f(h[:, :, -1])  # (B, n, C) the landmark, Eq. 1's key
+        l = self.ln_f(h[:, :, :-1].mean(2) if self.pool else h[:, :, -1])  # (B, n, C) Eq. 1's key: the landmark, or the chunk's mean
         if self.center:  # drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
             h = h - h[:, :, :-1].mean(2, keepdim=True)
         kv = self.kv_mem(self.ln_f(h)).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
@@ -359,6 +361,17 @@ def retrieval_weights(q, picked, eligible, cfg):
     r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return w * (cfg.retriever != "none")
+
+
+def centred_chunk_means(x, total, count):
+    """pool_retrieval's query input. x (B, n, S, C): last-lower-layer states of the next n finished chunks;
+    total (B, C): the sum of the chunk means before them (count of them), or None -> (B, n, C) each chunk's
+    mean text state minus the mean over all chunks so far, itself included, and the new total. Centred,
+    the query keeps what sets its chunk apart; uncentred, its shared part ranks the same chunks for all."""
+    m = upcast(x[:, :, :-1].mean(2))  # (B, n, C)
+    run = m.cumsum(1) + (0 if total is None else total[:, None])  # (B, n, C) sums over chunks 0..t
+    cnt = count + torch.arange(1, m.size(1) + 1, device=m.device, dtype=m.dtype)  # (n,)
+    return m - run / cnt[:, None], run[:, -1]
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -607,7 +620,7 @@ class DRT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
         self.record = None  # a list to collect every retrieval (chunk ids, idx, w) and each upper layer's ("sink", share) into, or None
-        self.hand_picks = None  # diagnostics: f(chunk ids (n,)) -> chunks (n, K) to read instead of Eq. 1's picks (-1: keep), or None
+        self.hand_picks = None  # diagnostics: f(chunk ids (n,)) -> chunks (n, K) to pick instead of Eq. 1's (-1: keep), or None
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, 0.02)
@@ -653,13 +666,15 @@ class DRT(nn.Module):
         n, n_chunks = L // S, cdiv(L, S)  # chunks finished (their landmark is in), chunks touched
         if cfg.groups and n:
             kv, l = self.encoder(x[:, : n * S].view(B, n, S, C))  # keys/values (B, n, S, 2, H, D), landmarks (B, n, C)
+            if cfg.pool_retrieval:
+                pooled, _ = centred_chunk_means(x[:, : n * S].view(B, n, S, C), None, 0)  # (B, n, C)
         chunk_ids = torch.arange(n, device=x.device)  # (n,) the chunk of each landmark
         b = torch.arange(B, device=x.device)[:, None, None]  # (B, 1, 1) batch index to gather the picks' landmarks
         upper = iter(self.upper)
         for g, size in enumerate(cfg.groups):
             mem = None
             if n:
-                h = x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks
+                h = pooled if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks
                 picks, w = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
                 picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
@@ -692,6 +707,8 @@ class DRT(nn.Module):
         w = retrieval_weights(q, landmarks_at(picks), eligible, cfg)  # (B, n, K): Eq. 3
         if self.record is not None:
             self.record.append((chunk_ids, picks, w.detach()))
+        if cfg.read_next:  # chunk j+1 <= t: finished, and earlier than chunk t+1 that reads it
+            picks = (picks + 1).minimum(chunk_ids[None, :, None])
         return picks, w
 
     def logits_and_loss(self, x, offset, T, targets, return_logits):
@@ -847,6 +864,7 @@ class StreamState:
         self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
+        self.pool_total, self.pool_count = None, 0  # pool_retrieval: (B, C) sum of the finished chunks' means, their number
 
 
 def forward_segment(model, idx, state, memory_only=False):
@@ -867,6 +885,9 @@ def forward_segment(model, idx, state, memory_only=False):
             kv, l = model.encoder(pending[:, : n * S].view(B, n, S, C))  # (B, n, S, 2, H, D), (B, n, C)
             store.kv.append(kv.detach())  # the store holds no autograd graph
             store.lm.append(l.detach())
+            if cfg.pool_retrieval:
+                pooled, total = centred_chunk_means(pending[:, : n * S].view(B, n, S, C), state.pool_total, state.pool_count)
+                state.pool_total, state.pool_count = total.detach(), state.pool_count + n
         state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
     if memory_only:  # the next full segment's first chunk reads no picks: inside the margin
         state.picks, state.prefetched, state.n = [None] * len(cfg.groups), [None] * len(cfg.groups), state.n + L
@@ -877,7 +898,7 @@ def forward_segment(model, idx, state, memory_only=False):
     for g, size in enumerate(cfg.groups):
         made = None
         if n:
-            h = to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
+            h = pooled if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
             made = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at)
         mem = None
         carried = state.picks[g]  # None at the start and after DRT.skim

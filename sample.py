@@ -272,15 +272,16 @@ def pass_losses(model, span, passes, ctx, name, only=None):
     return out
 
 
-def twin_picks(k, S, K):
+def twin_picks(k, S, K, read_next=False):
     """For a span of k tokens read twice: chunk c's landmark picks, for chunk c+1 of the second reading,
-    the two chunks of the first reading that hold its text (an oracle retriever) -> f(chunk ids (n,)) ->
-    (n, K), -1 where there is no twin yet (DRT.hand_picks)."""
+    the two chunks of the first reading that hold its text (an oracle retriever; read_next: the chunks
+    before them, which GCA then reads the successors of) -> f(chunk ids (n,)) -> (n, K), -1 where there
+    is no twin yet (DRT.hand_picks)."""
     T = S - 1  # text tokens per chunk
 
     def picks(chunk_ids):
-        first = (T * (chunk_ids + 1) - k) // T  # the first reading's chunk of chunk c+1's first token
-        ok = (T * (chunk_ids + 1) >= k) & (first + 1 < chunk_ids)  # in the second reading, strictly earlier
+        first = (T * (chunk_ids + 1) - k) // T - int(read_next)  # the first reading's chunk of chunk c+1's first token
+        ok = (T * (chunk_ids + 1) >= k) & (first + 1 < chunk_ids) & (first >= 0)  # in the second reading, strictly earlier
         twins = first[:, None] + torch.arange(K, device=chunk_ids.device) % 2  # (n, K): first, first+1, first, ...
         return torch.where(ok[:, None], twins, -1)
     return picks
@@ -309,7 +310,7 @@ def copy_test(model, args, ctx, haystack=None):
         losses[name] = pass_losses(model, rows(L), 3, ctx, name) + pass_losses(model, far, 2, ctx, name)
         twins = float("nan")
         if cfg.groups:
-            model.hand_picks = twin_picks(L_far, cfg.chunk_size, cfg.topk)
+            model.hand_picks = twin_picks(L_far, cfg.chunk_size, cfg.topk, cfg.read_next)
             try:
                 twins = pass_losses(model, far, 2, ctx, f"{name} (twins)", only=1)[0]
             finally:

@@ -358,8 +358,10 @@ def test_retriever_learns():
     assert all(model.ret_norm[g].weight.grad.abs().sum() > 0 for g in range(2))
 
 
-@pytest.mark.parametrize("option", [dict(ret_dim=16), dict(gca_sink=False), dict(enc_rope=True), dict(center_memory=True)],
-                         ids=["ret_dim", "no_sink", "enc_rope", "center_memory"])
+@pytest.mark.parametrize("option", [dict(ret_dim=16), dict(gca_sink=False), dict(enc_rope=True), dict(center_memory=True),
+                                    dict(pool_retrieval=True), dict(read_next=True),
+                                    dict(pool_retrieval=True, read_next=True, center_memory=True)],
+                         ids=["ret_dim", "no_sink", "enc_rope", "center_memory", "pool", "read_next", "pool_next_cm"])
 def test_retrieval_options_stream_and_train(option):
     """Each option off the paper's form: a stream cut into segments computes what one forward does,
     and training reaches every parameter, the new ones too."""
@@ -403,6 +405,44 @@ def test_center_memory_option():
         k = F.normalize(kv[:, :, :-1, 0].flatten(-2), dim=-1)  # (B, n, S-1, C) text keys
         outs[center] = (k @ k.transpose(-1, -2)).mean().item()  # mean cosine between a chunk's keys
     assert outs[False] > 0.99 and outs[True] < 0.5, outs
+
+
+def test_pool_retrieval_and_read_next():
+    """pool_retrieval: Eq. 1's query is chunk t's mean last-lower-layer text state minus the mean of those
+    over chunks 0..t (in pieces as at once), its key the encoder's mean over chunk j's text; read_next: GCA
+    of chunk t+1 reads chunk j+1 for each pick j of landmark t, weighted by j's score."""
+    x = torch.randn(2, 5, 8, 32, dtype=torch.float64)  # (B, n, S, C)
+    q, total = drt.centred_chunk_means(x, None, 0)
+    m = x[:, :, :-1].mean(2)
+    want = torch.stack([m[:, t] - m[:, : t + 1].mean(1) for t in range(5)], 1)
+    assert rel_err(q, want) < 1e-12 and rel_err(total, m.sum(1)) < 1e-12
+    q1, t1 = drt.centred_chunk_means(x[:, :2], None, 0)
+    q2, t2 = drt.centred_chunk_means(x[:, 2:], t1, 2)
+    assert rel_err(torch.cat([q1, q2], 1), q) < 1e-12 and rel_err(t2, total) < 1e-12
+    enc = tiny_model(n_enc=0, pool_retrieval=True).encoder
+    assert rel_err(enc(x)[1], enc.ln_f(enc.ln_in(x)[:, :, :-1].mean(2))) < 1e-12
+
+    model = tiny_model(pool_retrieval=True, read_next=True).eval()
+    idx = tokens(model.config, 2, 7 * 9, seed=5)  # 9 chunks
+    read = []
+    gca = drt.gca
+    drt.gca = lambda q, k, v, i, w: read.append(i) or gca(q, k, v, i, w)
+    try:
+        model.record = []
+        with torch.no_grad():
+            model(idx, idx)
+    finally:
+        drt.gca = gca
+    t, picks, w = model.record[0]  # (n,), (B, n, K), (B, n, K)
+    with torch.no_grad():
+        h = model.wte(drt.insert_landmarks(idx, model.config)[0])
+        for block in model.lower:
+            h = block(h)
+        _, l = model.encoder(h.view(2, 9, 8, 32))
+        r = model.ret_norm[0](drt.centred_chunk_means(h.view(2, 9, 8, 32), None, 0)[0]) @ l.transpose(1, 2)  # (B, n, n)
+    r = r.masked_fill(t[None, None, :] >= t[None, :, None], float("-inf"))
+    assert torch.equal(picks[:, 3:, 0], r.argmax(-1)[:, 3:])  # Eq. 1 of the pooled query and keys
+    assert torch.equal(read[0][:, 3:9], (picks[:, 2:8] + 1).minimum(t[2:8, None]))  # chunk c+1 reads j+1
 
 
 def test_gca_sink_option():
@@ -900,14 +940,15 @@ def test_segmented_prefill_equals_one_shot(offload):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-@pytest.mark.parametrize("groups", [(2,), (1, 1)], ids=["G1", "G2"])
-def test_skim_keeps_the_end(groups, offload):
+@pytest.mark.parametrize("groups, option", [((2,), {}), ((1, 1), {}), ((1, 1), dict(pool_retrieval=True, read_next=True))],
+                         ids=["G1", "G2", "G2-pool-next"])
+def test_skim_keeps_the_end(groups, option, offload):
     """A prompt skimmed (DRT.skim, memory only) in all its segments that end skim_margin tokens before its
     end gives the full stream's picks there and its logits after it; skimming up to the end does not (the
     upper layers' states reach that far)."""
     import sample
 
-    model = tiny_model(groups=groups).eval()
+    model = tiny_model(groups=groups, **option).eval()
     idx = tokens(model.config, 1, 400, seed=21)
     margin = drt.skim_margin(model.config)
     with torch.no_grad():
@@ -2039,7 +2080,7 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     import sample
 
     class Induction(torch.nn.Module):  # copies from L and from L_far back, where those are within its reach
-        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,), retriever="learned", topk=2)
+        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,), retriever="learned", topk=2, read_next=False)
 
         def __init__(self, reach):
             super().__init__()
