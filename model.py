@@ -674,7 +674,7 @@ class DRT(nn.Module):
         for g, size in enumerate(cfg.groups):
             mem = None
             if n:
-                h = pooled if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks
+                h = pooled if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks, or the centred means
                 picks, w = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
                 picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
@@ -898,7 +898,7 @@ def forward_segment(model, idx, state, memory_only=False):
     for g, size in enumerate(cfg.groups):
         made = None
         if n:
-            h = pooled if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) the group's input at the landmarks
+            h = pooled if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) as in DRT.forward
             made = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at)
         mem = None
         carried = state.picks[g]  # None at the start and after DRT.skim
