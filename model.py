@@ -78,7 +78,7 @@ class DRTConfig:
     enc_rope: bool = False       # the chunk encoder's positions: RoPE (the release; tells left from right) or, False, a symmetric ALiBi
     gca_sink: bool = True        # the landmark slot's key/value are zero: a sink each GCA head may attend to, reading nothing (the release); False: the landmark is a key like the others
     center_memory: bool = False  # GCA's keys/values from the encoder's states minus their chunk's mean, then normalised: what tells the tokens apart at full scale
-    pool_retrieval: bool = False  # Eq. 1 on chunk content: query = chunk t's mean last-lower-layer text state minus the mean over chunks 0..t, key l_j = the encoder's mean over chunk j's text; False: landmark slots (the paper)
+    pool_retrieval: str = ""     # Eq. 1 on chunk content: query = chunk t's mean text "states" (last lower layer) or "tokens" (embeddings) minus their mean over chunks 0..t; key l_j = chunk j's mean encoder state, or mean embedding; "": landmark slots (the paper)
     read_next: bool = False      # GCA reads the chunk after each pick (j+1 <= t, still before the reader t+1), weighted by the pick's score: what followed a similar chunk
 
     def __post_init__(self):
@@ -98,6 +98,8 @@ class DRTConfig:
              f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'"),
             (self.n_lower >= 0 and self.n_enc >= 0, "n_lower and n_enc must be >= 0"),
             (self.ret_dim >= 0, f"ret_dim={self.ret_dim} must be >= 0 (0: Eq. 1 without projections)"),
+            (self.pool_retrieval in ("", "states", "tokens"),
+             f"pool_retrieval={self.pool_retrieval!r} must be '' (the landmark), 'states' or 'tokens'"),
         ]
         bad = [message for ok, message in checks if not ok]
         if bad:
@@ -277,17 +279,20 @@ class ChunkEncoder(nn.Module):
         self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
         self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
-        self.n_head, self.sink, self.center, self.pool = cfg.n_head, cfg.gca_sink, cfg.center_memory, cfg.pool_retrieval
+        self.n_head, self.sink, self.center = cfg.n_head, cfg.gca_sink, cfg.center_memory
+        self.pool = cfg.pool_retrieval == "states"
         is_landmark = torch.arange(cfg.chunk_size).view(-1, 1, 1, 1) == cfg.chunk_size - 1  # (S, 1, 1, 1)
         self.register_buffer("is_landmark", is_landmark, persistent=False)
 
-    def forward(self, x):  # x (B, n, S, C) last-lower-layer states -> kv (B, n, S, 2, H, D), l (B, n, C)
+    def forward(self, x, e=None):  # x (B, n, S, C) last-lower-layer states -> kv (B, n, S, 2, H, D), l (B, n, C)
         B, n, S, C = x.shape
         h = self.ln_in(x.reshape(B * n, S, C))
         for block in self.blocks:
             h = block(h)
         h = h.view(B, n, S, C)
-        l = self.ln_f(h[:, :, :-1].mean(2) if self.pool else h[:, :, -1])  # (B, n, C) Eq. 1's key: the landmark, or the chunk's mean
+        if e is None:  # e (B, n, C): pool_retrieval="tokens", the chunks' mean embeddings
+            e = h[:, :, :-1].mean(2) if self.pool else h[:, :, -1]
+        l = self.ln_f(e)  # (B, n, C) Eq. 1's key: the landmark, or the chunk's mean
         if self.center:  # drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
             h = h - h[:, :, :-1].mean(2, keepdim=True)
         kv = self.kv_mem(self.ln_f(h)).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
@@ -364,7 +369,7 @@ def retrieval_weights(q, picked, eligible, cfg):
 
 
 def centred_chunk_means(x, total, count):
-    """pool_retrieval's query input. x (B, n, S, C): last-lower-layer states of the next n finished chunks;
+    """pool_retrieval's query input. x (B, n, S, C): states (or embeddings) of the next n finished chunks;
     total (B, C): the sum of the chunk means before them (count of them), or None -> (B, n, C) each chunk's
     mean text state minus the mean over all chunks so far, itself included, and the new total. Centred,
     the query keeps what sets its chunk apart; uncentred, its shared part ranks the same chunks for all."""
@@ -372,6 +377,18 @@ def centred_chunk_means(x, total, count):
     run = m.cumsum(1) + (0 if total is None else total[:, None])  # (B, n, C) sums over chunks 0..t
     cnt = count + torch.arange(1, m.size(1) + 1, device=m.device, dtype=m.dtype)  # (n,)
     return m - run / cnt[:, None], run[:, -1]
+
+
+def encode_chunks(model, x, e, total, count):
+    """n finished chunks' last-lower-layer states x and embeddings e (B, n, S, C; needed for "tokens") -> the encoder's kv
+    (B, n, S, 2, H, D) and l (B, n, C), and pool_retrieval's query inputs (B, n, C) (None when off) with
+    their running total (see centred_chunk_means)."""
+    cfg = model.config
+    tokens = cfg.pool_retrieval == "tokens"
+    kv, l = model.encoder(x, e[:, :, :-1].mean(2) if tokens else None)
+    if not cfg.pool_retrieval:
+        return kv, l, (None, None)
+    return kv, l, centred_chunk_means(e if tokens else x, total, count)
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -659,22 +676,20 @@ class DRT(nn.Module):
             return self.logits_and_loss(*forward_segment(self, idx, state), idx.size(1), targets, return_logits)
         cfg, S = self.config, self.config.chunk_size
         ids, _ = insert_landmarks(idx, cfg)  # (B, L): a landmark closes every S-1 text tokens
-        x = self.wte(ids)  # (B, L, C)
+        x = e = self.wte(ids)  # (B, L, C)
         for block in self.lower:
             x = block(x)
         B, L, C = x.shape
         n, n_chunks = L // S, cdiv(L, S)  # chunks finished (their landmark is in), chunks touched
         if cfg.groups and n:
-            kv, l = self.encoder(x[:, : n * S].view(B, n, S, C))  # keys/values (B, n, S, 2, H, D), landmarks (B, n, C)
-            if cfg.pool_retrieval:
-                pooled, _ = centred_chunk_means(x[:, : n * S].view(B, n, S, C), None, 0)  # (B, n, C)
+            kv, l, pooled = encode_chunks(self, x[:, : n * S].view(B, n, S, C), e[:, : n * S].view(B, n, S, C), None, 0)
         chunk_ids = torch.arange(n, device=x.device)  # (n,) the chunk of each landmark
         b = torch.arange(B, device=x.device)[:, None, None]  # (B, 1, 1) batch index to gather the picks' landmarks
         upper = iter(self.upper)
         for g, size in enumerate(cfg.groups):
             mem = None
             if n:
-                h = pooled if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks, or the centred means
+                h = pooled[0] if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks, or the centred means
                 picks, w = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
                 picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
@@ -861,6 +876,7 @@ class StreamState:
         self.start_pos = start_pos  # absolute position of the first slot: ALiBi uses only differences
         self.rings = [KVRing(cfg.window) for _ in range(cfg.n_lower + cfg.n_upper)]
         self.chunk_buf = None  # (B, n % S, C) last-lower-layer states of the unfinished chunk
+        self.emb_buf = None  # (B, n % S, C) pool_retrieval="tokens": its embeddings
         self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
@@ -874,21 +890,26 @@ def forward_segment(model, idx, state, memory_only=False):
     cfg, S, store = model.config, model.config.chunk_size, state.store
     pos0 = state.n + state.start_pos  # absolute position of the segment's first slot
     ids, offset = insert_landmarks(idx, cfg, state.n)  # (B, L)
-    x = model.wte(ids)  # (B, L, C)
+    x = e = model.wte(ids)  # (B, L, C)
     for block, ring in zip(model.lower, state.rings):
         x = block(x, pos0, ring)
     B, L, C = x.shape
     n, n_chunks = (offset + L) // S, cdiv(offset + L, S)  # chunks finished here (landmark in), chunks touched
     if cfg.groups:  # a finished chunk's first slots may come from earlier segments
         pending = x if state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, offset + L, C)
+        tokens = cfg.pool_retrieval == "tokens"  # then the embeddings are pending too
+        pend_e = e if not tokens or state.emb_buf is None else torch.cat([state.emb_buf, e], 1)  # (B, offset + L, C)
         if n:
-            kv, l = model.encoder(pending[:, : n * S].view(B, n, S, C))  # (B, n, S, 2, H, D), (B, n, C)
+            kv, l, pooled = encode_chunks(model, pending[:, : n * S].view(B, n, S, C),
+                                          pend_e[:, : n * S].view(B, n, S, C) if tokens else None,
+                                          state.pool_total, state.pool_count)  # (B, n, S, 2, H, D), (B, n, C)
             store.kv.append(kv.detach())  # the store holds no autograd graph
             store.lm.append(l.detach())
             if cfg.pool_retrieval:
-                pooled, total = centred_chunk_means(pending[:, : n * S].view(B, n, S, C), state.pool_total, state.pool_count)
-                state.pool_total, state.pool_count = total.detach(), state.pool_count + n
+                state.pool_total, state.pool_count = pooled[1].detach(), state.pool_count + n
         state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
+        if tokens:
+            state.emb_buf = pend_e[:, n * S :].detach().clone()
     if memory_only:  # the next full segment's first chunk reads no picks: inside the margin
         state.picks, state.prefetched, state.n = [None] * len(cfg.groups), [None] * len(cfg.groups), state.n + L
         return None, offset
@@ -898,7 +919,7 @@ def forward_segment(model, idx, state, memory_only=False):
     for g, size in enumerate(cfg.groups):
         made = None
         if n:
-            h = pooled if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) as in DRT.forward
+            h = pooled[0] if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) as in DRT.forward
             made = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at)
         mem = None
         carried = state.picks[g]  # None at the start and after DRT.skim

@@ -359,9 +359,10 @@ def test_retriever_learns():
 
 
 @pytest.mark.parametrize("option", [dict(ret_dim=16), dict(gca_sink=False), dict(enc_rope=True), dict(center_memory=True),
-                                    dict(pool_retrieval=True), dict(read_next=True),
-                                    dict(pool_retrieval=True, read_next=True, center_memory=True)],
-                         ids=["ret_dim", "no_sink", "enc_rope", "center_memory", "pool", "read_next", "pool_next_cm"])
+                                    dict(pool_retrieval="states"), dict(read_next=True),
+                                    dict(pool_retrieval="states", read_next=True, center_memory=True), dict(pool_retrieval="tokens"),
+                                    dict(pool_retrieval="tokens", read_next=True, center_memory=True)],
+                         ids=["ret_dim", "no_sink", "enc_rope", "center_memory", "pool", "read_next", "pool_next_cm", "pool_tokens", "tokens_next_cm"])
 def test_retrieval_options_stream_and_train(option):
     """Each option off the paper's form: a stream cut into segments computes what one forward does,
     and training reaches every parameter, the new ones too."""
@@ -407,10 +408,12 @@ def test_center_memory_option():
     assert outs[False] > 0.99 and outs[True] < 0.5, outs
 
 
-def test_pool_retrieval_and_read_next():
-    """pool_retrieval: Eq. 1's query is chunk t's mean last-lower-layer text state minus the mean of those
-    over chunks 0..t (in pieces as at once), its key the encoder's mean over chunk j's text; read_next: GCA
-    of chunk t+1 reads chunk j+1 for each pick j of landmark t, weighted by j's score."""
+@pytest.mark.parametrize("pool", ["states", "tokens"])
+def test_pool_retrieval_and_read_next(pool):
+    """pool_retrieval: Eq. 1's query is chunk t's mean text state ("states": last lower layer; "tokens":
+    embedding) minus the mean of those over chunks 0..t (in pieces as at once), its key chunk j's mean
+    encoder state (or embedding); read_next: GCA of chunk t+1 reads chunk j+1 for each pick j of
+    landmark t, weighted by j's score."""
     x = torch.randn(2, 5, 8, 32, dtype=torch.float64)  # (B, n, S, C)
     q, total = drt.centred_chunk_means(x, None, 0)
     m = x[:, :, :-1].mean(2)
@@ -419,10 +422,8 @@ def test_pool_retrieval_and_read_next():
     q1, t1 = drt.centred_chunk_means(x[:, :2], None, 0)
     q2, t2 = drt.centred_chunk_means(x[:, 2:], t1, 2)
     assert rel_err(torch.cat([q1, q2], 1), q) < 1e-12 and rel_err(t2, total) < 1e-12
-    enc = tiny_model(n_enc=0, pool_retrieval=True).encoder
-    assert rel_err(enc(x)[1], enc.ln_f(enc.ln_in(x)[:, :, :-1].mean(2))) < 1e-12
 
-    model = tiny_model(pool_retrieval=True, read_next=True).eval()
+    model = tiny_model(pool_retrieval=pool, read_next=True).eval()
     idx = tokens(model.config, 2, 7 * 9, seed=5)  # 9 chunks
     read = []
     gca = drt.gca
@@ -435,14 +436,25 @@ def test_pool_retrieval_and_read_next():
         drt.gca = gca
     t, picks, w = model.record[0]  # (n,), (B, n, K), (B, n, K)
     with torch.no_grad():
-        h = model.wte(drt.insert_landmarks(idx, model.config)[0])
+        e = h = model.wte(drt.insert_landmarks(idx, model.config)[0]).view(2, 9, 8, 32)  # (B, n, S, C)
         for block in model.lower:
-            h = block(h)
-        _, l = model.encoder(h.view(2, 9, 8, 32))
-        r = model.ret_norm[0](drt.centred_chunk_means(h.view(2, 9, 8, 32), None, 0)[0]) @ l.transpose(1, 2)  # (B, n, n)
-    r = r.masked_fill(t[None, None, :] >= t[None, :, None], float("-inf"))
+            h = block(h.flatten(1, 2)).view(2, 9, 8, 32)
+        enc = model.encoder
+        mean_state = enc.ln_f(run_encoder_blocks(enc, h)[:, :, :-1].mean(2))
+        l = enc.ln_f(e[:, :, :-1].mean(2)) if pool == "tokens" else mean_state  # (B, n, C)
+        assert rel_err(enc(h, e[:, :, :-1].mean(2) if pool == "tokens" else None)[1], l) < 1e-12
+        r = model.ret_norm[0](drt.centred_chunk_means(e if pool == "tokens" else h, None, 0)[0]) @ l.transpose(1, 2)
+    r = r.masked_fill(t[None, None, :] >= t[None, :, None], float("-inf"))  # (B, n, n)
     assert torch.equal(picks[:, 3:, 0], r.argmax(-1)[:, 3:])  # Eq. 1 of the pooled query and keys
     assert torch.equal(read[0][:, 3:9], (picks[:, 2:8] + 1).minimum(t[2:8, None]))  # chunk c+1 reads j+1
+
+
+def run_encoder_blocks(enc, x):
+    """The chunk encoder's states before its final norm: x (B, n, S, C) -> (B, n, S, C)."""
+    h = enc.ln_in(x.flatten(0, 1))
+    for block in enc.blocks:
+        h = block(h)
+    return h.view(x.shape)
 
 
 def test_gca_sink_option():
@@ -940,8 +952,8 @@ def test_segmented_prefill_equals_one_shot(offload):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-@pytest.mark.parametrize("groups, option", [((2,), {}), ((1, 1), {}), ((1, 1), dict(pool_retrieval=True, read_next=True))],
-                         ids=["G1", "G2", "G2-pool-next"])
+@pytest.mark.parametrize("groups, option", [((2,), {}), ((1, 1), {}), ((1, 1), dict(pool_retrieval="states", read_next=True)), ((1, 1), dict(pool_retrieval="tokens"))],
+                         ids=["G1", "G2", "G2-pool-next", "G2-tokens"])
 def test_skim_keeps_the_end(groups, option, offload):
     """A prompt skimmed (DRT.skim, memory only) in all its segments that end skim_margin tokens before its
     end gives the full stream's picks there and its logits after it; skimming up to the end does not (the
