@@ -380,15 +380,15 @@ def centred_chunk_means(x, total, count):
 
 
 def encode_chunks(model, x, e, total, count):
-    """n finished chunks' last-lower-layer states x and embeddings e (B, n, S, C; needed for "tokens") -> the encoder's kv
-    (B, n, S, 2, H, D) and l (B, n, C), and pool_retrieval's query inputs (B, n, C) (None when off) with
-    their running total (see centred_chunk_means)."""
+    """n finished chunks' last-lower-layer states x and embeddings e (B, n, S, C; needed for "tokens") -> the
+    encoder's kv (B, n, S, 2, H, D) and l (B, n, C), pool_retrieval's query inputs (B, n, C) and their running
+    total (see centred_chunk_means), both None when it is off."""
     cfg = model.config
     tokens = cfg.pool_retrieval == "tokens"
     kv, l = model.encoder(x, e[:, :, :-1].mean(2) if tokens else None)
     if not cfg.pool_retrieval:
-        return kv, l, (None, None)
-    return kv, l, centred_chunk_means(e if tokens else x, total, count)
+        return kv, l, None, None
+    return kv, l, *centred_chunk_means(e if tokens else x, total, count)
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -682,14 +682,14 @@ class DRT(nn.Module):
         B, L, C = x.shape
         n, n_chunks = L // S, cdiv(L, S)  # chunks finished (their landmark is in), chunks touched
         if cfg.groups and n:
-            kv, l, pooled = encode_chunks(self, x[:, : n * S].view(B, n, S, C), e[:, : n * S].view(B, n, S, C), None, 0)
+            kv, l, pooled, _ = encode_chunks(self, x[:, : n * S].view(B, n, S, C), e[:, : n * S].view(B, n, S, C), None, 0)
         chunk_ids = torch.arange(n, device=x.device)  # (n,) the chunk of each landmark
         b = torch.arange(B, device=x.device)[:, None, None]  # (B, 1, 1) batch index to gather the picks' landmarks
         upper = iter(self.upper)
         for g, size in enumerate(cfg.groups):
             mem = None
             if n:
-                h = pooled[0] if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks, or the centred means
+                h = pooled if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks, or the centred means
                 picks, w = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
                 picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
                 if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
@@ -900,13 +900,13 @@ def forward_segment(model, idx, state, memory_only=False):
         tokens = cfg.pool_retrieval == "tokens"  # then the embeddings are pending too
         pend_e = e if not tokens or state.emb_buf is None else torch.cat([state.emb_buf, e], 1)  # (B, offset + L, C)
         if n:
-            kv, l, pooled = encode_chunks(model, pending[:, : n * S].view(B, n, S, C),
-                                          pend_e[:, : n * S].view(B, n, S, C) if tokens else None,
-                                          state.pool_total, state.pool_count)  # (B, n, S, 2, H, D), (B, n, C)
+            kv, l, pooled, total = encode_chunks(model, pending[:, : n * S].view(B, n, S, C),
+                                                 pend_e[:, : n * S].view(B, n, S, C) if tokens else None,
+                                                 state.pool_total, state.pool_count)  # (B, n, S, 2, H, D), (B, n, C)
             store.kv.append(kv.detach())  # the store holds no autograd graph
             store.lm.append(l.detach())
             if cfg.pool_retrieval:
-                state.pool_total, state.pool_count = pooled[1].detach(), state.pool_count + n
+                state.pool_total, state.pool_count = total.detach(), state.pool_count + n
         state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
         if tokens:
             state.emb_buf = pend_e[:, n * S :].detach().clone()
@@ -919,7 +919,7 @@ def forward_segment(model, idx, state, memory_only=False):
     for g, size in enumerate(cfg.groups):
         made = None
         if n:
-            h = pooled[0] if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) as in DRT.forward
+            h = pooled if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) as in DRT.forward
             made = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at)
         mem = None
         carried = state.picks[g]  # None at the start and after DRT.skim
