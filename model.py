@@ -637,7 +637,7 @@ class DRT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
         self.record = None  # a list to collect every retrieval (chunk ids, idx, w) and each upper layer's ("sink", share) into, or None
-        self.hand_picks = None  # diagnostics: f(chunk ids (n,)) -> chunks (n, K) to pick instead of Eq. 1's (-1: keep), or None
+        self.hand_picks = None  # f(chunk ids (n,)) -> chunks (n, K) or (B, n, K) to pick instead of Eq. 1's (-1: keep), or None
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, 0.02)
@@ -716,8 +716,8 @@ class DRT(nn.Module):
             q = self.ret_proj[g](q)
         picks, eligible = topk_earlier(q, pages, chunk_ids, cfg.topk, self.training and cfg.gumbel,
                                        cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
-        if self.hand_picks is not None:  # chunks handed over (sample.py --copying's twins): is the read path the limit?
-            given = self.hand_picks(chunk_ids)  # (n, K), each < its chunk id, or -1
+        if self.hand_picks is not None:  # chunks handed over: sample.py --copying's twins, train.py's teacher_picks
+            given = self.hand_picks(chunk_ids)  # (n, K) or (B, n, K), each < its chunk id, or -1
             picks, eligible = torch.where(given >= 0, given, picks), eligible | (given >= 0)
         w = retrieval_weights(q, landmarks_at(picks), eligible, cfg)  # (B, n, K): Eq. 3
         if self.record is not None:

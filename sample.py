@@ -495,9 +495,10 @@ def inspect(model, enc, docs, at, args, ctx):
     print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
-    for g, (idx, w) in enumerate(state.picks):  # the picks of chunk c-1's landmark: chunks 0 to c-2, at most
+    read = ", GCA reads the chunk after each of Eq. 1's picks (read_next): these" if model.config.read_next else ""
+    for g, (idx, w) in enumerate(state.picks):  # what chunk c-1's landmark serves chunk c: chunks 0 to c-2 (c-1: read_next)
         picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]
-        print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}")
+        print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}{read}")
         for j, wj in picks:
             print(f"    w {wj:.3f}  chunk {j} ({c - 1 - j} back): {show(j)}")
         out.append((g, picks))

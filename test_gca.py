@@ -3176,3 +3176,39 @@ def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
     sample.main([f"--out_dir={tmp_path / 'run'}", "--ppl", f"--docs={out}/test.bin", "--max_tokens=2000", "--device=cpu"])
     text = capsys.readouterr().out
     assert re.search(r"^\s+1K-4K\s+976\s+\d+\.\d\d$", text, re.M)  # tokens 1,024-1,999 predicted
+
+
+@pytest.mark.parametrize("read_next", [False, True])
+def test_teacher_picks(read_next):
+    """teacher_iters' picks: for landmark t, the readable chunks sharing the most idf-weighted ids with
+    chunk t+1, as the picks Eq. 1 would make (under read_next, the chunk before each): a chunk that
+    recurs is read for its repeat, and no pick reads chunk t+1 or later."""
+    cfg = DRTConfig(vocab_size=64, landmark_id=63, n_embd=32, n_head=4, n_lower=1, groups=(1,), chunk_size=4,
+                    window=8, topk=2, read_next=read_next)
+    T, first = cfg.chunk_size - 1, int(read_next)
+    chunks = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [4, 5, 6], [10, 11, 12], [7, 8, 13], [20, 21]]  # 3 repeats 1, 5 shares 7, 8 with 2
+    idx = torch.tensor([sum(chunks, [])])
+    picks = train.teacher_picks(idx, cfg)  # (1, 6, 2): the 6 complete chunks' landmarks
+    assert picks.shape == (1, 6, 2)
+    reads = torch.where(picks >= 0, picks + first, picks)[0]
+    assert reads[2, 0] == 1 and reads[4, 0] == 2  # chunk 3 reads its source, chunk 5 the chunk sharing 7, 8
+    t = torch.arange(6)[:, None]
+    assert ((reads == -1) | ((reads >= 0) & (reads <= t - 1 + first))).all()  # only chunks landmark t may read
+    assert (reads[0] == -1).all() and (reads[1, 1] == -1) and (reads[1, 0] == (1 if read_next else 0))
+    assert len(set(reads[5].tolist())) == 2  # K distinct chunks where K are readable
+
+
+def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
+    """teacher_iters: the first steps' training forwards read teacher_picks; later steps, evaluation and
+    the checkpoint use Eq. 1 alone (hand_picks is None again)."""
+    seen, orig = [], DRT.retrieve
+
+    def spy(self, *a, **k):
+        seen.append((self.training, self.hand_picks is not None))
+        return orig(self, *a, **k)
+    monkeypatch.setattr(DRT, "retrieve", spy)
+    train.main(tiny_args(tmp_path, "t", "--teacher_iters=2", "--max_iters=4", "--eval_interval=4",
+                         "--eval_iters=1"))
+    training = [handed for is_training, handed in seen if is_training]
+    assert training == [True, True, False, False]  # one group, one micro-batch a step
+    assert not any(handed for is_training, handed in seen if not is_training)

@@ -55,6 +55,7 @@ dataset = "pg19"  # data/<dataset> of prepare_pg19.py, or passkey|multikey|vartr
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 repeat_frac = 0.0  # text: the share of training rows with a passage recurring past the windows (tasks.repeat_passage)
+teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
 task_loss = "all"  # 'all': next-token loss everywhere (teaches copying from scratch); 'answer': on the answer + its '.'
@@ -105,8 +106,11 @@ def is_tasks(dataset):
 def check_config(config):
     """The values' ranges (configure checked their types): every problem, in one line."""
     c = types.SimpleNamespace(**config)
+    bad = [f"teacher_iters={c.teacher_iters} must be >= 0" if c.teacher_iters < 0 else
+           "teacher_iters hands chunks to GCA, which a model without groups lacks" if c.teacher_iters and not c.groups
+           else ""]
     positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
-    bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
+    bad += [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
     bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth")
             if config[k] < 0]
     bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "repeat_frac", "task_haystack_frac")
@@ -131,7 +135,7 @@ def check_config(config):
         (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
          f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ] if wrong]
-    if bad:
+    if bad := [why for why in bad if why]:
         raise ConfigError("; ".join(bad))
 
 
@@ -150,6 +154,29 @@ class Data:
         pin = self.device.type == "cuda"
         return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
                      for t in self.rows.batch(split, rng, training))
+
+
+def teacher_picks(idx, cfg):
+    """What GCA reads while step < teacher_iters. For landmark t of idx (B, L): the K chunks among those
+    it may read that share the most token ids, weighted by idf, with chunk t+1, the chunk that reads them.
+    It peeks at the text the read serves, so it exists in training only. Why: a read path fed chunks
+    that do not help never learns to copy from them, and Eq. 1 cannot learn to find chunks a read path
+    ignores; handed useful chunks first, GCA learns to use them (NOTES.md has the runs). Eq. 3 still
+    weighs the chunks with the model's scores. -> (B, n, K) chunk ids as Eq. 1's picks, -1 where
+    fewer than K are readable (then Eq. 1 picks)."""
+    T, V, K = cfg.chunk_size - 1, cfg.vocab_size, cfg.topk
+    B, L = idx.shape
+    n, nc = L // T, -(-L // T)  # landmarks (complete chunks), chunks
+    x = torch.nn.functional.pad(idx, (0, (nc + 1) * T - L), value=V).view(B, nc + 1, T)  # the last landmark's t+1: empty
+    bag = torch.zeros(B, nc + 1, V + 1, device=idx.device, dtype=torch.bfloat16).scatter_(2, x, 1.0)[..., :V]  # (B, nc, V)
+    idf = torch.log((nc + 1) / (bag.float().sum(1, keepdim=True) + 1)).to(bag.dtype)  # (B, 1, V): rare ids count
+    score = torch.einsum("btv,brv->btr", bag[:, 1 : n + 1] * idf, bag[:, :n]).float()  # (B, n, n): chunk t+1 . chunk r
+    t, r = torch.arange(n, device=idx.device)[:, None], torch.arange(n, device=idx.device)
+    first = 1 if cfg.read_next else 0  # under read_next a pick j reads chunk j+1, so chunks 1..t can be read
+    score = score.masked_fill((r < first) | (r > t - 1 + first), float("-inf"))
+    best, read = score.topk(min(K, n), -1)  # (B, n, K)
+    picks = (read - first).masked_fill(best == float("-inf"), -1)
+    return torch.nn.functional.pad(picks, (0, K - picks.size(-1)), value=-1)
 
 
 def step_rng(*parts):
@@ -258,6 +285,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)  # matmul FLOPs of forward + backward
     what = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     how = f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"
+    if c.teacher_iters:
+        what += f" (GCA reads teacher_picks for steps 1-{c.teacher_iters}; evaluation uses Eq. 1)"
     log(f"{what}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
@@ -318,10 +347,14 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
             x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
             torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
+            if iter_num < c.teacher_iters:
+                given = teacher_picks(x, raw_model.config)  # (B, n, K)
+                raw_model.hand_picks = lambda chunk_ids: given
             with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
                 with autocast:
                     _, loss = model(x, y, return_logits=False)
                 (loss / grad_accum).backward()
+            raw_model.hand_picks = None  # evaluation and the checkpoint know Eq. 1 alone
             step_loss = step_loss + loss.detach().float() / grad_accum
         loss_sum += step_loss
         if c.grad_clip:
