@@ -3180,9 +3180,9 @@ def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("read_next", [False, True])
 def test_teacher_picks(read_next):
-    """teacher_iters' picks: for landmark t, the readable chunks sharing the most idf-weighted ids with
+    """teacher_iters' picks: for landmark t, the readable chunks before t sharing the most idf-weighted ids with
     chunk t+1, as the picks Eq. 1 would make (under read_next, the chunk before each): a chunk that
-    recurs is read for its repeat, and no pick reads chunk t+1 or later."""
+    recurs is read for its repeat, and no pick reads chunk t or later."""
     cfg = DRTConfig(vocab_size=64, landmark_id=63, n_embd=32, n_head=4, n_lower=1, groups=(1,), chunk_size=4,
                     window=8, topk=2, read_next=read_next)
     T, first = cfg.chunk_size - 1, int(read_next)
@@ -3193,8 +3193,8 @@ def test_teacher_picks(read_next):
     reads = torch.where(picks >= 0, picks + first, picks)[0]
     assert reads[2, 0] == 1 and reads[4, 0] == 2  # chunk 3 reads its source, chunk 5 the chunk sharing 7, 8
     t = torch.arange(6)[:, None]
-    assert ((reads == -1) | ((reads >= 0) & (reads <= t - 1 + first))).all()  # only chunks landmark t may read
-    assert (reads[0] == -1).all() and (reads[1, 1] == -1) and (reads[1, 0] == (1 if read_next else 0))
+    assert ((reads == -1) | ((reads >= first) & (reads < t))).all()  # only chunks before t, and readable
+    assert (reads[0] == -1).all() and (reads[1, 1] == -1) and (reads[1, 0] == (-1 if read_next else 0))
     assert len(set(reads[5].tolist())) == 2  # K distinct chunks where K are readable
 
 

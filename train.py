@@ -157,8 +157,8 @@ class Data:
 
 
 def teacher_picks(idx, cfg):
-    """What GCA reads while step < teacher_iters. For landmark t of idx (B, L): the K chunks among those
-    it may read that share the most token ids, weighted by idf, with chunk t+1, the chunk that reads them.
+    """What GCA reads while step < teacher_iters. For landmark t of idx (B, L): the K chunks before chunk t
+    that share the most token ids, weighted by idf, with chunk t+1, the chunk that reads them.
     It peeks at the text the read serves, so it exists in training only. Why: a read path fed chunks
     that do not help never learns to copy from them, and Eq. 1 cannot learn to find chunks a read path
     ignores; handed useful chunks first, GCA learns to use them (NOTES.md has the runs). Eq. 3 still
@@ -172,8 +172,8 @@ def teacher_picks(idx, cfg):
     idf = torch.log((nc + 1) / (bag.float().sum(1, keepdim=True) + 1)).to(bag.dtype)  # (B, 1, V): rare ids count
     score = torch.einsum("btv,brv->btr", bag[:, 1 : n + 1] * idf, bag[:, :n]).float()  # (B, n, n): chunk t+1 . chunk r
     t, r = torch.arange(n, device=idx.device)[:, None], torch.arange(n, device=idx.device)
-    first = 1 if cfg.read_next else 0  # under read_next a pick j reads chunk j+1, so chunks 1..t can be read
-    score = score.masked_fill((r < first) | (r > t - 1 + first), float("-inf"))
+    first = 1 if cfg.read_next else 0  # under read_next a pick j reads chunk j+1: chunk 0 cannot be read
+    score = score.masked_fill((r < first) | (r >= t), float("-inf"))  # chunks before t (t itself: the window's)
     best, read = score.topk(min(K, n), -1)  # (B, n, K)
     picks = (read - first).masked_fill(best == float("-inf"), -1)
     return torch.nn.functional.pad(picks, (0, K - picks.size(-1)), value=-1)
