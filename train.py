@@ -38,7 +38,7 @@ import tasks
 from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, peak_flops, peak_mem_gib,
                     saved_at, stopped, unwritable)
 from configurator import ConfigError, configure, keys_of, print_help
-from model import DRT, DRTConfig, retrieval_stats
+from model import DRT, DRTConfig, cdiv, retrieval_stats
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
 # I/O
@@ -106,11 +106,8 @@ def is_tasks(dataset):
 def check_config(config):
     """The values' ranges (configure checked their types): every problem, in one line."""
     c = types.SimpleNamespace(**config)
-    bad = [f"teacher_iters={c.teacher_iters} must be >= 0" if c.teacher_iters < 0 else
-           "teacher_iters hands chunks to GCA, which a model without groups lacks" if c.teacher_iters and not c.groups
-           else ""]
     positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
-    bad += [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
+    bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
     bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth")
             if config[k] < 0]
     bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "repeat_frac", "task_haystack_frac")
@@ -121,6 +118,8 @@ def check_config(config):
     keys, digits = tasks.parse_range(c.task_keys, 2, 16), tasks.parse_range(c.task_digits, 3, 7)
     bad += [why for wrong, why in [
         (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
+        (c.teacher_iters < 0, f"teacher_iters={c.teacher_iters} must be >= 0"),
+        (c.teacher_iters > 0 and not c.groups, "teacher_iters hands chunks to GCA, which a model without groups lacks"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
         (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
          f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
@@ -135,7 +134,7 @@ def check_config(config):
         (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
          f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ] if wrong]
-    if bad := [why for why in bad if why]:
+    if bad:
         raise ConfigError("; ".join(bad))
 
 
@@ -166,9 +165,9 @@ def teacher_picks(idx, cfg):
     fewer than K are readable (then Eq. 1 picks)."""
     T, V, K = cfg.chunk_size - 1, cfg.vocab_size, cfg.topk
     B, L = idx.shape
-    n, nc = L // T, -(-L // T)  # landmarks (complete chunks), chunks
+    n, nc = L // T, cdiv(L, T)  # landmarks (complete chunks), chunks
     x = torch.nn.functional.pad(idx, (0, (nc + 1) * T - L), value=V).view(B, nc + 1, T)  # the last landmark's t+1: empty
-    bag = torch.zeros(B, nc + 1, V + 1, device=idx.device, dtype=torch.bfloat16).scatter_(2, x, 1.0)[..., :V]  # (B, nc, V)
+    bag = torch.zeros(B, nc + 1, V + 1, device=idx.device, dtype=torch.bfloat16).scatter_(2, x, 1.0)[..., :V]  # (B, nc + 1, V)
     idf = torch.log((nc + 1) / (bag.float().sum(1, keepdim=True) + 1)).to(bag.dtype)  # (B, 1, V): rare ids count
     score = torch.einsum("btv,brv->btr", bag[:, 1 : n + 1] * idf, bag[:, :n]).float()  # (B, n, n): chunk t+1 . chunk r
     t, r = torch.arange(n, device=idx.device)[:, None], torch.arange(n, device=idx.device)
@@ -348,8 +347,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
             torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
             if iter_num < c.teacher_iters:
-                given = teacher_picks(x, raw_model.config)  # (B, n, K)
-                raw_model.hand_picks = lambda chunk_ids: given
+                teacher = teacher_picks(x, raw_model.config)  # (B, n, K)
+                raw_model.hand_picks = lambda chunk_ids: teacher
             with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
                 with autocast:
                     _, loss = model(x, y, return_logits=False)
