@@ -296,7 +296,7 @@ def copy_test(model, args, ctx, haystack=None):
     L, L_far = copy_span(cfg), copy_far_span(cfg)
     kinds = {"random tokens": lambda k: np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])}
     if haystack is not None:
-        kinds["book text"] = lambda k: np.stack([haystack.sample(k, rng) for _ in range(n)])  # (n, k)
+        kinds["haystack text"] = lambda k: np.stack([haystack.sample(k, rng) for _ in range(n)])  # (n, k)
     print(f"\ncopying, retrieval {cfg.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
           f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach; twins: "
           f"far 2 with each chunk reading the first reading's chunks that hold its text, which tells the "
@@ -495,12 +495,14 @@ def inspect(model, enc, docs, at, args, ctx):
     print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
-    read = ", GCA reads the chunk after each of Eq. 1's picks (read_next): these" if model.config.read_next else ""
+    nxt = model.config.read_next  # GCA reads the chunk after each pick j, never past chunk c-1
+    read = ", the chunks GCA reads (read_next: the one after each of Eq. 1's picks)" if nxt else ""
     for g, (idx, w) in enumerate(state.picks):  # what chunk c-1's landmark serves chunk c: chunks 0 to c-2 (c-1: read_next)
         picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]
         print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}{read}")
         for j, wj in picks:
-            print(f"    w {wj:.3f}  chunk {j} ({c - 1 - j} back): {show(j)}")
+            r = min(j + 1, c - 1) if nxt else j
+            print(f"    w {wj:.3f}  chunk {r} ({c - 1 - r} back{f', picked {j}' if nxt else ''}): {show(r)}")
         out.append((g, picks))
     return out
 

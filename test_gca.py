@@ -2123,8 +2123,8 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
     sample.main([f"--ckpt={ckpt}", "--copying", "--samples_per_length=2", "--device=cpu",
                  f"--haystack={tmp_path / 'book.bin'}"])
-    rows = re.findall(r"(random tokens|book text)((?:\s+\d+\.\d\d){6})$", capsys.readouterr().out, re.M)
-    assert [r[0] for r in rows] == ["random tokens", "book text"]
+    rows = re.findall(r"(random tokens|haystack text)((?:\s+\d+\.\d\d){6})$", capsys.readouterr().out, re.M)
+    assert [r[0] for r in rows] == ["random tokens", "haystack text"]
     assert all(4 < float(v) < 20 for _, vals in rows for v in vals.split())  # an untrained model: no copying
 
 
@@ -2299,6 +2299,14 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
         assert [x for _, x in picks] == pytest.approx([x for _, x in want], abs=1e-6)
     out = capsys.readouterr().out
     assert f"chunk {c} (tokens" in out and out.count(" back): ") == 2 * model.config.topk
+    # under read_next the lines show the chunk GCA reads, the one after each pick, never past c-1
+    nxt, _ = sample.load_model(tiny_checkpoint(tmp_path / "n.pt", window=64, read_next=True, center_memory=True), "cpu")
+    (_, picks), = sample.inspect(nxt, enc, [("doc", ids)], 700, args, torch.autocast("cpu", enabled=False))
+    lines = re.findall(r"w \d\.\d+  chunk (\d+) \((\d+) back, picked (\d+)\): '(.*)'", capsys.readouterr().out)
+    assert [int(j) for *_, j, _ in lines] == [j for j, _ in picks] and len(lines) == nxt.config.topk
+    for r, back, j, text in lines:
+        assert int(r) == min(int(j) + 1, c - 1) and int(back) == c - 1 - int(r)
+        assert text == " ".join(map(str, ids[int(r) * 63 : (int(r) + 1) * 63]))
     with pytest.raises(SystemExit, match="retrieve nothing"):
         sample.inspect(model, enc, [("doc", ids)], 70, args, torch.autocast("cpu", enabled=False))
     with pytest.raises(SystemExit, match=r"--at=1200: the first document, doc, has 1,200 tokens: use --at below that"):
