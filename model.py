@@ -426,6 +426,11 @@ def retrieval_stats(records, K):
     return stats
 
 
+def sink_label(cfg):
+    """The name retrieval_stats' "sink" is logged under: the landmark slot reads nothing only with gca_sink."""
+    return "sink" if cfg.gca_sink else "landmark slot"
+
+
 # -----------------------------------------------------------------------------
 # Grouped cross-attention (Eq. 2). For the S queries of a chunk and its K retrieved chunks:
 #     o = sum_i w_i * softmax(q K_i^T / sqrt(D)) V_i
@@ -451,9 +456,9 @@ def gca_reference(q, k_mem, v_mem, idx, w):
 
 @torch.no_grad()
 def sink_share(q, k_mem, v_mem, idx, w):
-    """The share of GCA's attention on the landmark slot, the zero key that reads nothing, over queries
-    and heads, each pick weighted by w: near 1, GCA ignores what it retrieved whatever sum w says ->
-    (share, sum w) as tensors (no sync)."""
+    """The share of GCA's attention on the landmark slot, over queries and heads, each pick weighted by w.
+    With gca_sink that slot is the zero key that reads nothing: near 1, GCA ignores what it retrieved
+    whatever sum w says; without, it is the landmark's own key and value -> (share, sum w) as tensors."""
     B, N, S, H, D = q.shape
     b = torch.arange(B, device=q.device)[:, None]
     share = q.new_zeros((), dtype=torch.float32)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import common
 from common import EOT, GPT2_VOCAB, fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
-from model import DRT, DRTConfig, retrieval_stats, skim_margin, window_reach
+from model import DRT, DRTConfig, retrieval_stats, sink_label, skim_margin, window_reach
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, in_reach, key_owner, make_example
 from tasks import min_length, needle_picks, needles_and_question, score, wilson
 
@@ -412,7 +412,7 @@ def perplexity(model, docs, modes, args, ctx):
         if st and m != "none":  # none: every weight 0, nothing retrieved to describe
             print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
                   f"(uniform over the picks: {math.log(cfg.topk):.2f}), mean distance {st['distance']:.1f} chunks"
-                  + (f", sink {st['sink']:.2f}" if "sink" in st else ""))
+                  + (f", {sink_label(cfg)} {st['sink']:.2f}" if "sink" in st else ""))
     if getattr(args, "plot", None):
         plot_ppl(curves, cfg, args.plot, f"{len(docs)} document(s) of {args.docs}")
     return table

@@ -2362,6 +2362,9 @@ def test_train_reports_retrieval_health(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
     health = r"\| retrieval: sum w [01]\.\d{3}, max w [01]\.\d{3}, sink [01]\.\d\d$"
     assert len(lines) == 2 and all(re.search(health, x) for x in lines)
+    train.main(tiny_args(tmp_path, "nosink", "--max_iters=3", "--gca_sink=False"))  # the slot is a key like the others
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
+    assert len(lines) == 2 and all(re.search(health.replace("sink", "landmark slot"), x) for x in lines)
     train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--groups=()", "--n_lower=2"))
     assert "retrieval:" not in capsys.readouterr().out
 

@@ -38,7 +38,7 @@ import tasks
 from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, peak_flops, peak_mem_gib,
                     saved_at, stopped, unwritable)
 from configurator import ConfigError, configure, keys_of, print_help
-from model import DRT, DRTConfig, cdiv, retrieval_stats
+from model import DRT, DRTConfig, cdiv, retrieval_stats, sink_label
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
 # I/O
@@ -316,7 +316,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {math.exp(losses['train']):.2f}), "
                 f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})"
                 + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else "")
-                + (f", sink {ret['sink']:.2f}" if "sink" in ret else ""))
+                + (f", {sink_label(raw_model.config)} {ret['sink']:.2f}" if "sink" in ret else ""))
             improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
             if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
                 saved = save(losses["val"])  # the last step too: out_dir must end up holding this run
