@@ -1180,6 +1180,17 @@ def test_config_block_and_help(capsys):
         assert explicit
 
 
+def test_config_files_layer():
+    """Config files run in order: config/code_teacher.py changes config/code_lm.py's run into the README's
+    teacher run, and the two together are a valid run."""
+    c, explicit = parse([os.path.join(HERE, "config", f) for f in ("code_lm.py", "code_teacher.py")])
+    train.check_config(c)
+    cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
+    assert (c["block_size"], cfg.n_embd, cfg.topk) == (8190, 384, 4)  # code_lm's shape stays
+    assert 0 < c["teacher_iters"] < c["max_iters"] and cfg.read_next and not cfg.softmax_off_by_one
+    assert {"teacher_iters", "pool_retrieval", "block_size"} <= explicit
+
+
 def test_overrides():
     c, explicit = parse(["--groups=3,3", "--learning_rate=1", "--out_dir=out-x", "--dataset=passkey",
                                       "--compile=True", "--groups=()"])

@@ -1,0 +1,18 @@
+# Laid over config/code_lm.py: the form of DRT whose retrieval beats random picks on code, with a teacher first.
+#   python train.py config/code_lm.py config/code_teacher.py     # two such runs share one H200 in ~9 minutes
+# For the first teacher_iters steps GCA reads, for each chunk, the earlier chunks that share the most
+# rare tokens with the chunk after it (train.py's teacher_picks): the read path learns to copy from
+# chunks that help. Then Eq. 1 picks alone: past 4K its picks are 7-9% better than random ones (the
+# README's code tables). Each key below departs from the paper; without them, on code, learned picks
+# do no better than random ones. Evaluation (sample.py --ppl, --inspect) always uses Eq. 1.
+out_dir = "out-code-teacher"
+max_iters = 4000  # 262M tokens
+eval_interval = 500
+teacher_iters = 3000
+
+softmax_off_by_one = False  # Eq. 3 as a plain softmax: the off-by-one lets every group switch retrieval off
+gumbel = False  # no noise on Eq. 1's scores: it is larger than their spread, so training picks were near random
+gca_sink = False  # no zero key in GCA: its heads rested on it and read nothing
+center_memory = True  # chunk-centred memory: otherwise every chunk's keys share one direction and GCA cannot copy
+read_next = True  # a pick j is read as chunk j+1, the text that followed what the query resembles
+pool_retrieval = "tokens"  # Eq. 1 on chunks' mean token embeddings (centred): landmark states share one direction
