@@ -476,7 +476,7 @@ def plot_picks(records, cfg, path, what):
 @torch.no_grad()
 def inspect(model, enc, docs, at, args, ctx):
     """--inspect (§4.4's case studies): the chunks each group retrieved, at the landmark before it, for the chunk
-    holding token `at` of the first document -> [(group, [(chunk, w)] by w)]."""
+    holding token `at` of the first document -> [(group, [(chunk GCA reads, w)] by w)]."""
     name, ids = docs[0]
     T = model.config.chunk_size - 1
     if at >= len(ids):
@@ -497,12 +497,11 @@ def inspect(model, enc, docs, at, args, ctx):
     out = []
     nxt = model.config.read_next  # GCA reads the chunk after each pick j, never past chunk c-1
     read = ", the chunks GCA reads (read_next: the one after each of Eq. 1's picks)" if nxt else ""
-    for g, (idx, w) in enumerate(state.picks):  # what chunk c-1's landmark serves chunk c: chunks 0 to c-2 (c-1: read_next)
+    for g, (idx, w) in enumerate(state.picks):  # the chunks chunk c-1's landmark has GCA read for chunk c
         picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]
         print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}{read}")
-        for j, wj in picks:
-            r = min(j + 1, c - 1) if nxt else j
-            print(f"    w {wj:.3f}  chunk {r} ({c - 1 - r} back{f', picked {j}' if nxt else ''}): {show(r)}")
+        for r, wj in picks:  # under read_next, state.picks already holds the chunk after each of Eq. 1's picks
+            print(f"    w {wj:.3f}  chunk {r} ({c - 1 - r} back{f', picked {r - 1}' if nxt else ''}): {show(r)}")
         out.append((g, picks))
     return out
 

@@ -2310,13 +2310,19 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
         assert [x for _, x in picks] == pytest.approx([x for _, x in want], abs=1e-6)
     out = capsys.readouterr().out
     assert f"chunk {c} (tokens" in out and out.count(" back): ") == 2 * model.config.topk
-    # under read_next the lines show the chunk GCA reads, the one after each pick, never past c-1
+    # under read_next each line shows the chunk GCA reads and, before it, Eq. 1's pick as DRT.record logs it
     nxt, _ = sample.load_model(tiny_checkpoint(tmp_path / "n.pt", window=64, read_next=True, center_memory=True), "cpu")
+    nxt.record, state = [], nxt.new_state()
+    sample.prefill(nxt, ids[: c * 63], state, 10**6)
+    t, eq1, w = next(r for r in nxt.record if not isinstance(r[0], str) and c - 1 in r[0].tolist())
+    a = t.tolist().index(c - 1)
+    want = dict(zip(eq1[0, a].tolist(), w[0, a].tolist()))  # Eq. 1's picks at chunk c-1's landmark -> w
+    nxt.record = None
     (_, picks), = sample.inspect(nxt, enc, [("doc", ids)], 700, args, torch.autocast("cpu", enabled=False))
-    lines = re.findall(r"w \d\.\d+  chunk (\d+) \((\d+) back, picked (\d+)\): '(.*)'", capsys.readouterr().out)
-    assert [int(j) for *_, j, _ in lines] == [j for j, _ in picks] and len(lines) == nxt.config.topk
-    for r, back, j, text in lines:
-        assert int(r) == min(int(j) + 1, c - 1) and int(back) == c - 1 - int(r)
+    lines = re.findall(r"w (\d\.\d+)  chunk (\d+) \((\d+) back, picked (\d+)\): '(.*)'", capsys.readouterr().out)
+    assert sorted(int(j) for *_, j, _ in lines) == sorted(want) and len(lines) == nxt.config.topk
+    for wj, r, back, j, text in lines:
+        assert int(r) == int(j) + 1 and int(back) == c - 1 - int(r) and float(wj) == pytest.approx(want[int(j)], abs=1e-3)
         assert text == " ".join(map(str, ids[int(r) * 63 : (int(r) + 1) * 63]))
     with pytest.raises(SystemExit, match="retrieve nothing"):
         sample.inspect(model, enc, [("doc", ids)], 70, args, torch.autocast("cpu", enabled=False))
