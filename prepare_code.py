@@ -4,7 +4,7 @@ layout, then tokenized as PG19 is (GPT-2 BPE, uint16 .bin files). C code refers 
 defined thousands of tokens earlier (struct fields, helpers, macros): far references that a
 retriever can use, in far more tokens than 24 books hold.
 
-    apt-get download linux-source-6.12 && dpkg -x linux-source-6.12_*.deb linux    # Debian / Ubuntu
+    apt-get download linux-source-6.12 && dpkg -x linux-source-6.12_*.deb linux    # Debian 13 (12: bookworm-backports)
     python prepare_code.py --source linux/usr/src/linux-source-6.12.tar.xz         # -> data/code
     python prepare_code.py --source ~/src/linux-6.12 --max_books=100               # an unpacked tree (kernel.org);
                                                                                    # the first 100 train documents
