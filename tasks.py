@@ -320,7 +320,8 @@ class TextRows:
 
     def __init__(self, c):
         data_dir = c.data_dir or os.path.join("data", c.dataset)
-        prepare = f"python prepare_pg19.py --source /path/to/pg19 --out {data_dir}"
+        prepare = (f"python prepare_code.py --source linux/usr/src/linux-source-6.12.tar.xz --out {data_dir}"
+                   if c.dataset == "code" else f"python prepare_pg19.py --source /path/to/pg19 --out {data_dir}")
         if not os.path.isfile(os.path.join(data_dir, "meta.json")):  # prepare_pg19.py writes it last
             raise ValueError(f"{data_dir}/meta.json not found: prepare the data first, e.g. {prepare} "
                              f"(or --dataset={'|'.join(TASKS)})")

@@ -1263,6 +1263,8 @@ def test_data_sizes_checked_against_meta(tmp_path):
 def test_setup_errors(tmp_path):
     with pytest.raises(train.ConfigError, match=r"meta.json not found: prepare the data first, e.g. python prepare_pg19.py"):
         train.main([*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(train.ConfigError, match=r"meta.json not found: prepare the data first, e.g. python prepare_code.py"):
+        train.main([*TINY, "--dataset=code", f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'out'}"])
     with pytest.raises(train.ConfigError, match=r"val.bin has 1,000 tokens, fewer than block_size\+1=1,009; lower --block_size"):
         train.main(tiny_args(tmp_path, "out", "--block_size=1008"))
     with pytest.raises(train.ConfigError, match=r"tokens_per_step=100 is not a multiple of batch_size\*block_size\*GPUs"):
