@@ -1,16 +1,17 @@
 """
-Train DRT (or its sliding-window baseline) on PG19 or on synthetic long-context tasks.
+Train DRT (or its sliding-window baseline) on PG19, on Linux code, or on synthetic long-context tasks.
 
     python train.py config/quickstart.py       # CPU or one GPU: a tiny DRT on a few books, minutes
     python train.py config/train_drt146m.py    # the paper's 146M DRT x1 on one GPU (8 accumulation steps)
     torchrun --standalone --nproc_per_node=8 train.py config/train_drt146m.py   # one node of 8 GPUs
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 --master_port=29500 train.py \\
         config/train_drt146m.py                # two nodes: this on node 0 (it saves), --node_rank=1 on the other
+    python train.py config/code_lm.py config/code_teacher.py   # Linux code: GCA first reads a teacher's chunks
     python train.py config/quickstart.py --batch_size=4 --groups=1,1           # override any key
     python train.py --out_dir=out-quickstart --init_from=resume --max_iters=600 # continue, with its stored config
     python train.py --help                     # every key, its default and why
 
-PG19 must be prepared first: python prepare_pg19.py --source /path/to/pg19 --out data/pg19.
+The data must be prepared first: python prepare_pg19.py (PG19), python prepare_code.py (Linux code).
 Config files, then --key=value, change the hyperparameters below and the model's (configurator.py).
 Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues (a
 second Ctrl-C stops at once). A resumed run takes the checkpoint's config, changed by what is given now,
@@ -51,7 +52,7 @@ overwrite = False  # True: a run from scratch or a fine-tune may replace the ckp
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt, its config), or another run's ckpt.pt/folder to fine-tune
 stop_iter = 0  # stop and save after this step, the schedule unchanged (a long run in pieces); 0 = max_iters
 # data
-dataset = "pg19"  # data/<dataset> of prepare_pg19.py, or passkey|multikey|vartrack (tasks.py), or a comma list of those
+dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or passkey|multikey|vartrack (tasks.py), or a comma list of those
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 repeat_frac = 0.0  # text: the share of training rows with a passage recurring past the windows (tasks.repeat_passage)
