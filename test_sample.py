@@ -1,0 +1,630 @@
+"""
+Tests of the long-context tasks (tasks.py) and of sample.py: prompts and their alignment, strict
+scoring, the test table and its columns, generation, and every argument and file error.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import train
+from conftest import tiny_args, tiny_checkpoint, tiny_config, tokenizer_or_skip
+from model import DRT, insert_landmarks
+
+# -----------------------------------------------------------------------------
+# long-context tasks (tasks.py) and sampling (sample.py): prompts, scoring, the test table, arguments
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey", "vartrack"])
+def test_tasks(task, monkeypatch):
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    rng = random.Random(task)
+    for length in (200, 333, 1000):
+        prompt, answer = tasks.make_example(task, length, rng, enc)
+        assert len(prompt) == length and prompt.dtype == np.int64
+        text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
+        assert want.isdigit() and text.count(want) >= 1  # the answer is in the haystack
+        assert tasks.score(answer + enc.encode_ordinary(". The"), answer, enc) == 1
+        assert tasks.score(answer + enc.encode_ordinary("123. The"), answer, enc) == 0  # the number goes on: wrong
+        assert tasks.score(enc.encode_ordinary(" 1" + want), answer, enc) == 0
+    for answer_only in (True, False):
+        x, y = tasks.get_batch(task, 3, 256, rng, enc, answer_only=answer_only)
+        assert x.shape == y.shape == (3, 256)
+        if not answer_only:
+            assert torch.equal(y[:, :-1], x[:, 1:]) and (y != -1).all()  # the next token everywhere
+            continue
+        for b in range(3):  # the loss on the answer and the full stop that ends it, then filler to the row's end
+            on = (y[b] != -1).nonzero().squeeze(1)
+            assert 2 <= len(on) <= tasks.MAX_ANSWER and torch.equal(on, torch.arange(on[0], on[0] + len(on)))
+            said = enc.decode(x[b, on[0] + 1 : on[-1] + 1].tolist() + [y[b, on[-1]].item()]).strip()
+            assert said.endswith(tasks.ANSWER_END) and said[:-1].isdigit(), said
+            assert enc.decode(x[b, : on[0] + 1].tolist()).endswith(" is")  # the question's last token
+    with pytest.raises(ValueError, match="too short"):
+        tasks.make_example(task, 20, rng, enc)
+    for _ in range(5):  # min_depth: no needle before that token (training keeps the first chunks clear)
+        prompt, answer = tasks.make_example(task, 1000, rng, enc, min_depth=600)
+        assert len(prompt) == 1000 and enc.decode(answer).strip() in enc.decode(prompt[600:].tolist())
+        assert not any(enc.decode(prompt[:600].tolist()).count(w) for w in ("pass key", "VAR"))
+    with pytest.raises(ValueError, match="needles from token 990"):
+        tasks.make_example(task, 1000, rng, enc, min_depth=990)
+
+
+def test_vartrack_needs_two_hops(monkeypatch):
+    """vartrack holds two chains, each assigned before it is copied; the asked one's number is the
+    answer and the other's is not, so copying "the number" cannot pass."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    rng, first = random.Random(0), 0
+    for _ in range(20):
+        prompt, answer = tasks.make_example("vartrack", 400, rng, enc)
+        text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
+        sets = re.findall(r"VAR (\w+) = (\w+)\.", text)
+        values = {name: v for name, v in sets if v.isdigit()}
+        copies = {name: src for name, src in sets if not src.isdigit()}
+        asked = re.search(r"value of VAR (\w+) is$", text).group(1)
+        assert len(values) == len(copies) == 2 and len(set(values.values())) == 2
+        assert values[copies[asked]] == want  # two hops: asked -> its source -> the number
+        for name, src in copies.items():  # a variable is assigned before it is copied
+            assert text.index(f"VAR {src} = ") < text.index(f"VAR {name} = ")
+        first += [n for n, _ in sets].index(copies[asked]) == 0
+    assert 0 < first < 20  # either chain comes first
+
+
+def test_multikey_unseen_names(tmp_path, monkeypatch, capsys):
+    """--unseen_names: multi-key's test prompts name only words no training prompt holds, with the
+    same keys as the usual prompts (the same random draws): a model that matches names scores alike
+    on both, one that has learned the twenty names of training does not."""
+    import random
+
+    import sample
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    assert len(tasks.UNSEEN_NAMES) == len(set(tasks.UNSEEN_NAMES)) == len(tasks.NAMES)
+    assert not set(tasks.UNSEEN_NAMES) & set(tasks.NAMES)
+    for i in range(10):
+        seen, _ = tasks.make_example("multikey", 500, random.Random(i), enc)
+        unseen, answer = tasks.make_example("multikey", 500, random.Random(i), enc, names=tasks.UNSEEN_NAMES)
+        text = enc.decode(unseen.tolist())
+        keys = dict(re.findall(r"pass key of (\w+) is (\d+)\.", text))
+        asked = re.search(r"pass key of (\w+) is$", text).group(1)
+        assert len(keys) == 4 and set(keys) <= set(tasks.UNSEEN_NAMES) and keys[asked] == enc.decode(answer).strip()
+        assert not any(re.search(rf"\b{name}\b", text) for name in tasks.NAMES)
+        assert sorted(keys.values()) == sorted(re.findall(r"is (\d+)\. Remember", enc.decode(seen.tolist())))
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    sample.main([f"--ckpt={ckpt}", "--multikey", "--unseen_names", "--lengths=300", "--samples_per_length=2",
+                 "--device=cpu"])
+    assert re.search(r"^multikey, retrieval learned: .*4 keys, names unseen in training\n(.*\n){2}\s+300\s+2\s+\d+\.\d%",
+                     capsys.readouterr().out, re.M)
+
+
+def test_question_alignment(monkeypatch):
+    """align=T: the prompt's last token (" is") opens a chunk, so the landmark before it, whose
+    retrieval serves the answer, has read the whole question; and training rows keep it."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    model = DRT(tiny_config(vocab_size=50304, landmark_id=50257)).eval()  # chunks of 7 text tokens
+    T = model.config.chunk_size - 1
+    for task in tasks.TASKS:
+        for length in (300, 301, 305, 1000):
+            prompt, _ = tasks.make_example(task, length, random.Random(length), enc, align=T)
+            assert length - T < len(prompt) <= length and (len(prompt) - 1) % T == 0
+            assert enc.decode(prompt[-1:].tolist()) == " is"
+            state = model.new_state()
+            with torch.no_grad():
+                model(torch.from_numpy(prompt[None, :-1]), state=state)
+            assert state.n % model.config.chunk_size == 0  # the question's chunk is closed: its landmark is in
+    x, y = tasks.get_batch(list(tasks.TASKS), 6, 20 * T, random.Random(0), enc, answer_only=True, align=T)
+    first = (y != -1).int().argmax(1)  # the position of " is", which predicts the answer
+    assert ((first % T) == 0).all()
+
+
+def old_prompt(task, length, rng, enc, align):
+    """make_example as it was before the test variants, frozen (passkey, multi-key): the training prompts."""
+    import tasks
+    if task == "passkey":
+        key = str(rng.randrange(10000, 100000))
+        needles = [f" The pass key is {key}. Remember it. {key} is the pass key."]
+        question, answer = " What is the pass key? The pass key is", f" {key}"
+    else:
+        names = rng.sample(tasks.NAMES, 4)
+        keys = [str(rng.randrange(10000, 100000)) for _ in names]
+        ask = rng.randrange(4)
+        needles = [f" The pass key of {n} is {k}. Remember it." for n, k in zip(names, keys)]
+        question, answer = f" What is the pass key of {names[ask]}? The pass key of {names[ask]} is", f" {keys[ask]}"
+    needles, question = [enc.encode_ordinary(t) for t in needles], enc.encode_ordinary(question)
+    length -= (length - 1) % align
+    n_fill = length - len(question) - sum(map(len, needles))
+    cuts = sorted(rng.randrange(0, n_fill + 1) for _ in needles)
+    fill, bounds = tasks.filler(n_fill, rng, enc).tolist(), [0] + cuts
+    ids = [t for i, needle in enumerate(needles) for t in fill[bounds[i] : bounds[i + 1]] + needle]
+    return ids + fill[cuts[-1]:] + question, enc.encode_ordinary(answer)
+
+
+def test_task_defaults_are_the_training_prompts(monkeypatch):
+    """The test variants leave the defaults as they were: make_example's prompts are those of the
+    frozen copy above, and get_batch's rows those of its loop with the answer's full stop (a choice
+    among one key count or one template draws nothing from the rng)."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    for task in ("passkey", "multikey"):
+        for i, length in enumerate((300, 1000, 1001)):
+            prompt, answer = tasks.make_example(task, length, random.Random(i), enc, align=7)
+            assert (prompt.tolist(), answer) == old_prompt(task, length, random.Random(i), enc, 7)
+    x, _ = tasks.get_batch(["passkey", "multikey"], 4, 300, random.Random(3), enc, align=7)
+    rng = random.Random(3)
+    for row in x:
+        prompt, answer = old_prompt(rng.choice(["passkey", "multikey"]), 300 + 1 - tasks.MAX_ANSWER, rng, enc, 7)
+        answer = answer + enc.encode_ordinary(".")
+        rest = tasks.filler(300 + 1 - len(prompt) - len(answer), rng, enc).tolist()
+        assert row.tolist() == (prompt + answer + rest)[:-1]
+
+
+def test_task_variants(monkeypatch):
+    """The held-out variants of sample.py, built by make_example: keys=N needles of distinct names
+    (the asked one's key the answer), a template's phrasing, keys of `digits` digits, the asked
+    needle at a depth of the filler, or its key `past` tokens before the end with the others before
+    it; every prompt aligned (its last token opens a chunk, through insert_landmarks)."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    model = DRT(tiny_config(vocab_size=50304, landmark_id=50257)).eval()  # chunks of 7 text tokens
+    T = model.config.chunk_size - 1
+    variants = [("multikey", dict(keys=2)), ("multikey", dict(keys=16, digits=3)), ("passkey", dict(digits=7)),
+                ("passkey", dict(template="code")), ("multikey", dict(template="code", keys=12)),
+                ("multikey", dict(template="id", depth=0.9)), ("passkey", dict(depth=0.1)),
+                ("multikey", dict(past=300, keys=8)), ("passkey", dict(past=200, template="number")),
+                ("vartrack", dict(digits=6))]
+    for i, (task, kw) in enumerate(variants):
+        prompt, answer = tasks.make_example(task, 700 + i, random.Random(i), enc, align=T, **kw)
+        text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
+        needle, question, named, named_question = tasks.TEMPLATES[kw.get("template", "key")]
+        assert want.isdigit() and len(want) == kw.get("digits", 5)
+        if task == "passkey":
+            assert needle.format(k=want) in text and text.endswith(question)
+        if task == "multikey":
+            pattern = re.escape(named).replace(re.escape("{n}"), r"(\w+)").replace(re.escape("{k}"), r"(\d+)")
+            keys = dict(re.findall(pattern, text))
+            asked = [name for name in keys if text.endswith(named_question.format(n=name))]
+            assert len(keys) == kw.get("keys", 4) and set(keys) <= set(tasks.NAMES) and len(asked) == 1
+            assert keys[asked[0]] == want
+        at = tasks.occurrences(prompt, answer)
+        if "depth" in kw:  # the asked needle at that depth of the filler, after the needles drawn before it
+            needles, q, _, ask = tasks.needles_and_question(task, random.Random(i), **{k: v for k, v in kw.items()
+                                                                                       if k != "depth"})
+            ids = [enc.encode_ordinary(t) for t in needles]
+            n_fill = len(prompt) - len(enc.encode_ordinary(q)) - sum(map(len, ids))
+            before = at[0] - tasks.occurrences(ids[ask], answer)[0] - round(kw["depth"] * n_fill)
+            assert 0 <= before <= sum(map(len, ids)) - len(ids[ask]), (at, n_fill)
+        if "past" in kw:  # its key's last mention ends `past` tokens before the end, after every other key
+            assert len(prompt) - 1 - (at[-1] + len(answer) - 1) == kw["past"]
+            assert all(text.index(k) < text.index(want) for k in re.findall(r" is (\d+)\.", text) if k != want)
+        assert (len(prompt) - 1) % T == 0 and enc.decode(prompt[-1:].tolist()) == " is"
+        state = model.new_state()
+        with torch.no_grad():
+            model(torch.from_numpy(prompt[None, :-1]), state=state)
+        assert state.n % model.config.chunk_size == 0  # the question's chunk is closed: its landmark is in
+    with pytest.raises(ValueError, match="too short for a passkey prompt with its key 500 tokens before the end"):
+        tasks.make_example("passkey", 400, random.Random(0), enc, past=500)
+
+
+def test_score_is_strict(monkeypatch):
+    """Right = the answer, then something that does not continue the number: the
+    [' 7', '14', '32', '5'] for 71432 spells 714325 and is wrong (the first len(answer) tokens alone
+    would pass it); the answer alone, with nothing seen after it, is not yet right."""
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    answer = enc.encode_ordinary(" 71432")
+    pieces = lambda *texts: [t for s in texts for t in enc.encode_ordinary(s)]  # noqa: E731
+    assert tasks.score(answer + pieces(". Remember"), answer, enc) == 1
+    assert tasks.score(pieces(" 7", "14", "32", "."), answer, enc) == 1  # another spelling of the same number
+    assert tasks.score(answer + pieces(" is"), answer, enc) == 1
+    assert tasks.score(pieces(" 7", "14", "32", "5"), answer, enc) == 0
+    assert tasks.score(answer + pieces("5."), answer, enc) == 0
+    assert tasks.score(answer, answer, enc) == 0 and tasks.score(pieces(" 7143."), answer, enc) == 0
+
+
+@pytest.mark.parametrize("reply", [".", "5", "other"])
+def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
+    """run_task decodes past the answer and scores strictly: the key then '.' is right, the key's
+    tokens then '5' wrong; --show_misses names the needle whose key a wrong answer is."""
+    import sample
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+
+    def answer_prompt(model, prompt, n, state, segment, progress=None):  # a model that answers `reply`
+        text = enc.decode(list(prompt))
+        keys = dict(re.findall(r"pass key of (\w+) is (\d+)\.", text))
+        asked = re.search(r"pass key of (\w+) is$", text)[1]
+        answer = enc.encode_ordinary(" " + keys[asked])
+        assert n == len(answer) + tasks.SCORE_AFTER
+        other = next(name for name in keys if name != asked)
+        print(f"other {other}")
+        out = enc.encode_ordinary(f" {keys[other]}.") if reply == "other" else answer + enc.encode_ordinary(reply)
+        return (out + enc.encode_ordinary(" The pass"))[:n], []
+
+    monkeypatch.setattr(sample, "answer_prompt", answer_prompt)
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--multikey", "--lengths=300",
+                 "--samples_per_length=3", "--show_misses", "--device=cpu"])
+    out = capsys.readouterr().out
+    acc = re.search(r"^\s+300\s+3\s+(\d+\.\d)% \[(\d+)-(\d+)\]", out, re.M)
+    assert float(acc[1]) == (100.0 if reply == "." else 0.0), out
+    assert (int(acc[2]), int(acc[3])) == tuple(round(100 * b) for b in tasks.wilson(3 * (reply == "."), 3))
+    owners = re.findall(r"another needle's key: (\w+)'s\)$", out, re.M)
+    assert owners == (re.findall(r"^other (\w+)$", out, re.M) if reply == "other" else []), out
+
+
+def test_in_reach_counts_positions():
+    """in_reach: the answer's last mention lies within `reach` positions of the prompt's last token,
+    positions as insert_landmarks lays them out (a landmark after every S-1 tokens); prompt_kwargs'
+    'reach' puts a key just past it at every chunk phase."""
+    import sample
+    import tasks
+    model = DRT(tiny_config())  # S=8
+    S, T, reach, answer = 8, 7, 20, [5, 6]
+    cfg = type("Cfg", (), dict(n_lower=1, groups=(1,), window=10, chunk_size=S))  # window_reach 20
+    past = sample.prompt_kwargs(type("Args", (), dict(unseen_names=False, keys=4, template="key", digits=5)),
+                                cfg, "reach")["past"]
+    near = []
+    for n in range(30, 30 + S):  # every chunk phase of the prompt's end
+        for i in range(n - 2):
+            prompt = [1] * n
+            prompt[0:2] = prompt[i : i + 2] = answer  # two mentions: the later one counts
+            ids, _ = insert_landmarks(torch.tensor([prompt]), model.config)
+            pos = (ids[0] != model.config.landmark_id).nonzero().squeeze(1)  # the text tokens' positions
+            assert tasks.in_reach(prompt, answer, T, reach) == (pos[-1] - pos[i + 1] < reach)
+            if n - 1 - (i + 1) == past:  # the key `past` tokens before the end: just out of reach
+                assert not tasks.in_reach(prompt, answer, T, reach)
+            near += [tasks.in_reach(prompt, answer, T, reach)] if n - 1 - (i + 1) == past - 1 else []
+    assert any(near)  # one token nearer, and some phase brings it in reach: `past` is the fewest
+
+
+def test_needle_picks_hit_at_1():
+    """hit@1: one of the needle's chunks (its own or the next) got the largest weight of a group's
+    picks, in any upper group; found: it was picked with a weight > 0 at all."""
+    import tasks
+    T, answer = 4, [5, 6]
+    prompt = [9] * 40
+    prompt[13:15] = answer  # the needle's chunk: 14 // 4 = 3
+    P = lambda idx, w: (torch.tensor(idx), torch.tensor(w))  # noqa: E731
+    cases = [([P([3, 7], [0.6, 0.3])], True, True), ([P([7, 3], [0.6, 0.3])], True, False),
+             ([P([7, 4], [0.3, 0.6])], True, True), ([P([7, 3], [0.6, 0.0])], False, False),
+             ([P([7, 1], [0.6, 0.3]), P([2, 3], [0.1, 0.5])], True, True),
+             ([P([7, 1], [0.6, 0.3]), P([3, 2], [0.1, 0.5])], True, False), ([P([5, 6], [0.6, 0.3])], False, False)]
+    for picks, found, top in cases:
+        assert tasks.needle_picks(prompt, answer, picks, T)[:2] == (found, top), picks
+
+
+def test_wilson_interval():
+    """The Wilson interval's bounds are the proportions x where the score test |p - x| / se(x), se(x)
+    = sqrt(x (1 - x) / n), equals z = 1.96; it holds p and stays in [0, 1], at 0/n and n/n too."""
+    import tasks
+    for k, n in [(0, 5), (5, 5), (2, 2), (19, 20), (7, 20), (1, 10)]:
+        lo, hi = tasks.wilson(k, n)
+        p = k / n
+        assert 0 <= lo <= p <= hi <= 1 and lo < hi
+        for x in (lo, hi):
+            assert abs((p - x) ** 2 - 1.96**2 * x * (1 - x) / n) < 1e-12
+    assert tasks.wilson(5, 5)[1] == pytest.approx(1) and tasks.wilson(0, 5)[0] == pytest.approx(0)
+
+
+def test_key_owner():
+    """--show_misses' owner of a wrong answer, read off the needles: another multi-key name, the
+    other chain's variable in 2-hop, none for the asked key or a number in no needle."""
+    import random
+
+    import tasks
+    for task, template in [("multikey", "key"), ("multikey", "code"), ("multikey", "id"), ("vartrack", "key")]:
+        needles, _, answer, _ = tasks.needles_and_question(task, random.Random(1), template=template)
+        answer = answer.strip()
+        owners = dict((k, n) for n, k in re.findall(r"(\w+) (?:is|=) (\d+)\.", "".join(needles)))
+        other = next(k for k in owners if k != answer)
+        assert tasks.key_owner(needles, other, answer) == owners[other] and owners[other] in "".join(needles)
+        assert tasks.key_owner(needles, answer, answer) is None and tasks.key_owner(needles, "7", answer) is None
+
+
+def test_harness_depth_and_reach(tmp_path, monkeypatch, capsys):
+    """--depth: a table per bin, titled by it; 'in reach' counts the prompts whose asked key the
+    windows reach from the question: all at 200 tokens (the reach is 256 positions), none with
+    --depth=reach. --keys, --template and --digits show in the title."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "a.pt")
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--multikey", "--lengths=200", "--samples_per_length=2",
+                 "--device=cpu"])
+    assert re.findall(r"^\s+200\s+2\s+\d+\.\d% \[\d+-\d+\]\s+(\d+)\s", capsys.readouterr().out, re.M) == ["2", "2"]
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--multikey", "--keys=3", "--template=code", "--digits=4",
+                 "--depth=0.5,reach", "--lengths=600", "--samples_per_length=2", "--device=cpu"])
+    out = capsys.readouterr().out
+    titles = re.findall(r"^(\w+), retrieval learned: .*aligned to a chunk, (.*)$", out, re.M)
+    assert titles == [(task, f"{keys}template code, 4-digit numbers, {where}")
+                      for task, keys in (("passkey", ""), ("multikey", "3 keys, "))
+                      for where in ("the asked needle at depth 0.5", "the asked key just past the windows' reach")], out
+    near = re.findall(r"^\s+600\s+2\s+\d+\.\d% \[\d+-\d+\]\s+(\d+)\s", out, re.M)
+    assert len(near) == 4 and near[1] == near[3] == "0", out
+
+
+def test_haystack_mix(tmp_path, monkeypatch):
+    """Training rows take real text as filler with probability haystack_frac, else the sentences."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    book = np.array(enc.encode_ordinary(" Call me Ishmael. Some years ago, never mind how long. " * 100), np.uint16)
+    book.tofile(tmp_path / "book.bin")
+    hay = tasks.Haystack(str(tmp_path / "book.bin"), enc)
+    rows = {}
+    for frac in (0.0, 0.5, 1.0):
+        x, _ = tasks.get_batch("passkey", 16, 300, random.Random(1), enc, haystack=hay, haystack_frac=frac)
+        rows[frac] = sum("Ishmael" in enc.decode(r.tolist()) for r in x)
+    assert rows[0.0] == 0 and rows[1.0] == 16 and 3 <= rows[0.5] <= 13
+
+
+def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    sample.main([f"--ckpt={ckpt}", "--prompt=Once upon a time", "--max_new_tokens=5", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert "iter 7" in out and "Once upon a time" in out
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples_per_length=2",
+                 "--offload", "--segment=100", "--device=cpu"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines()
+            if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d% \[\d+-\d+\]\s+\d\s+(\d/\d|-)\s+(\d/\d|-)\s", line)]
+    assert len(rows) == 4, out  # two lengths x two tasks
+
+
+def test_sample_show_misses(tmp_path, monkeypatch, capsys):
+    """--show_misses prints one line per wrong answer, with the key asked for: as many as the
+    accuracy column says were missed (a random model misses them all)."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--show_misses",
+                 "--device=cpu"])
+    out = capsys.readouterr().out
+    acc = float(re.search(r"^\s+300\s+3\s+(\d+\.\d)%", out, re.M).group(1))
+    misses = re.findall(r"miss at 300, sample (\d): wanted '(\d{5})', got '(.*)'", out)
+    assert len(misses) == round(3 * (1 - acc / 100)) and all(w != g for _, w, g in misses), out
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--show_misses",
+                 "--device=cpu", "--seed=2026"])  # the prompts of another seed: other keys
+    assert not {w for _, w, _ in misses} & set(re.findall(r"wanted '(\d{5})'", capsys.readouterr().out))
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=300", "--samples_per_length=3", "--device=cpu"])
+    assert "miss at" not in capsys.readouterr().out
+
+
+def test_harness_retrieval_column(tmp_path, monkeypatch, capsys):
+    """The 'retrieved' column reads the picks that serve the answer: with topk >= the number of
+    chunks every chunk is picked, so every needle that retrieval could reach counts as found;
+    with topk=1 a random model finds fewer. 'needle w' is the retrieval weight on the needle's chunks;
+    'hit@1' counts the needles found with the largest weight, all those found where there is one pick."""
+    import sample
+    import tasks
+    tokenizer_or_skip(monkeypatch)
+    prompt, T = [5, 6, 7, 1, 2, 3, 8, 9, 1, 2, 4], 4
+    assert tasks.needle_chunk(prompt, [1, 2, 4], T) == 9 // T and tasks.needle_chunk(prompt, [4, 4], T) is None
+    found = {}
+    for k in (64, 1):
+        ckpt = tiny_checkpoint(tmp_path / f"k{k}.pt", topk=k)
+        sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=2K", "--samples_per_length=6", "--segment=700",
+                     "--device=cpu"])
+        out = capsys.readouterr().out
+        assert re.search(r"in reach\s+hit@1\s+retrieved\s+needle w\s+s/sample", out), out  # the columns parsed below
+        top, top_of, hit, eligible, w = re.search(r"^\s+2K\s+6\s+\d+\.\d% \[\d+-\d+\]\s+\d+\s+(\d+)/(\d+)\s+(\d+)/(\d+)\s+"
+                                                  r"(\d\.\d\d)\s", out, re.M).groups()
+        assert top_of == eligible and int(top) <= int(hit), out  # hit@1: found, and with the largest weight
+        found[k] = int(hit), int(eligible), float(w), int(top)
+    assert found[1][3] == found[1][0], found  # one pick per group: a needle found is the top pick
+    hit, eligible, w, _ = found[64]
+    assert eligible >= 4 and hit == eligible, found  # 2K tokens: 33 chunks, needles mostly far from the end
+    assert 0 < w < 0.5, found  # every chunk picked: the needle's two chunks get a small part of the weight
+    hit, eligible, w, _ = found[1]
+    assert hit < eligible, found
+    assert (w > 0) == (hit > 0) and w <= hit / eligible + 0.005, found  # one pick: weight < 1, only where found (0.005: rounding)
+
+
+def test_sample_checkpoint_errors(tmp_path, monkeypatch):
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
+    ckpt = torch.load(tiny_checkpoint(tmp_path / "a.pt"), weights_only=False)
+    ckpt["model_args"]["n_embd"] = 64  # weights of one shape, config of another
+    torch.save(ckpt, tmp_path / "b.pt")
+    with pytest.raises(SystemExit, match="do not fit the config"):
+        sample.main([f"--ckpt={tmp_path / 'b.pt'}", "--device=cpu"])
+    with pytest.raises(SystemExit, match="lengths"):
+        sample.main([f"--ckpt={tmp_path / 'a.pt'}", "--passkey", "--lengths=4Q", "--device=cpu"])
+
+
+# every bad argument is one line, before the checkpoint loads: the --ckpt given does not exist
+BAD_SAMPLE_ARGS = [
+    (["--passkey", "--lengths=0"], r"--lengths: 0 tokens cannot hold .* passkey prompt: use lengths of at least \d+"),
+    (["--multikey", "--lengths=128,10"], r"--lengths: 10 tokens cannot hold .* multikey"),  # before 128 runs
+    (["--vartrack", "--lengths=,"], r"--lengths=',': expected a list"),
+    (["--prompt=FILE:{tmp}/missing.txt"], r"--prompt=FILE:.*missing.txt: cannot read it"),
+    (["--passkey", "--haystack={tmp}/missing"], r"--haystack .*missing: expected a folder"),
+    (["--passkey", "--haystack={tmp}/empty"], r"--haystack .*empty: no .txt files"),
+    (["--passkey", "--haystack={tmp}/short.bin"], r"--haystack .*short.bin: only 10 tokens"),
+    (["--top_k=-1"], r"--top_k=-1: must be >= 0 \(0 = off"),
+    (["--max_new_tokens=0"], r"--max_new_tokens=0: must be >= 1"),
+    (["--temperature=-0.5"], r"--temperature=-0.5: must be >= 0"),
+    (["--num_samples=0"], r"--num_samples=0: must be >= 1"),
+    (["--passkey", "--samples_per_length=0"], r"--samples_per_length=0: must be >= 1"),
+    (["--passkey", "--samples=0"], r"--samples_per_length=0: must be >= 1"),  # the old name still works
+    (["--segment=0"], r"--segment=0: must be >= 1"),
+    (["--device=cuda"], r"--device=cuda: no CUDA GPU here: pass --device=cpu"),
+    (["--device=gpu0"], r"--device=gpu0: expected cpu, cuda or cuda:N"),
+    (["--passkey", "--unseen_names"], r"--unseen_names: only multi-key has names: add --multikey"),
+    (["--multikey", "--keys=1"], r"--keys=1: multi-key's needle count, 2 to 16 \(4 as trained\): use it with --multikey"),
+    (["--multikey", "--keys=17"], r"--keys=17: multi-key's needle count, 2 to 16"),
+    (["--passkey", "--keys=8"], r"--keys=8: multi-key's needle count, .*: use it with --multikey"),
+    (["--passkey", "--digits=2"], r"--digits=2: keys of 3 to 7 digits"),
+    (["--passkey", "--digits=8"], r"--digits=8: keys of 3 to 7 digits"),
+    (["--passkey", "--template=nope"], r"--template=nope: passkey's and multi-key's phrasing, one of key, number, id, code"),
+    (["--vartrack", "--template=code"], r"--template=code: passkey's and multi-key's phrasing"),
+    (["--passkey", "--depth=1.5"], r"--depth=1.5: expected fractions of the filler in \[0, 1\] or 'reach'"),
+    (["--passkey", "--depth=0.1,deep"], r"--depth=0.1,deep: expected fractions"),
+    (["--vartrack", "--depth=0.5"], r"--depth: 2-hop's needles keep their order"),
+    (["--passkey", "--lengths=4K,100M"], r"--lengths: 100M tokens is past the 64M this harness supports"),
+    (["--copying", "--lengths=4K"], r"--lengths=4K: --copying has spans of its own lengths; --lengths is for --passkey"),
+    (["--dtype=float16"], r"--dtype=float16: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
+    (["--tokenizer_file={tmp}/junk.tiktoken"], r"GPT-2 ranks file .*junk.tiktoken \(from --tokenizer_file or "
+                                                r"DRT_GPT2_RANKS\) is not a tiktoken ranks file"),
+    (["--passkey", "--haystack={tmp}/ids.bin"], r"--haystack .*ids.bin: token id 60000 is past GPT-2's 50257 ids"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_SAMPLE_ARGS, ids=[" ".join(a) for a, _ in BAD_SAMPLE_ARGS])
+def test_sample_bad_arguments(argv, message, tmp_path, monkeypatch):
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "empty").mkdir()
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    np.arange(60001 - 5000, 60001, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    (tmp_path / "junk.tiktoken").write_text("not a ranks file\n")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
+        sample.main([f"--ckpt={tmp_path / 'none.pt'}", *argv])
+    assert "\n" not in str(e.value.code)
+
+
+def test_sample_memory_check(tmp_path, monkeypatch, capsys):
+    """A length whose chunk keys/values (2*d*4 bytes per text token in fp32, x 64/63) cannot fit
+    in the memory available is refused before any prompt runs."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")  # d=32, chunks of 64
+    need = 2**20 * 2 * 32 * 4 * 64 / 63
+    monkeypatch.setattr(common, "available_mem", lambda: need - 1e6)
+    with pytest.raises(SystemExit, match=rf"^sample.py: error: --lengths: a 1M-token prompt holds {need / 1e9:.2f} GB "
+                                         rf"of chunk keys/values in host memory, and {(need - 1e6) / 1e9:.2f} GB are "
+                                         r"available: use shorter lengths$"):
+        sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=1K,1M", "--samples_per_length=1", "--device=cpu"])
+    assert "passkey:" not in capsys.readouterr().out  # no test began
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--lengths=1K", "--samples_per_length=1", "--device=cpu"])
+    assert re.search(r"^\s+1K\s+1\s", capsys.readouterr().out, re.M)
+
+
+def test_sample_shortest_length(tmp_path, monkeypatch, capsys):
+    """A length too short for a test names the shortest that works, and that one runs."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    for task in ("passkey", "multikey", "vartrack"):
+        argv = [f"--ckpt={ckpt}", f"--{task}", "--samples_per_length=3", "--device=cpu"]
+        n, named = 1, None
+        while named is None or named > n:  # a prompt cut to the model's chunks may need more: follow the hint
+            n = named or n
+            try:
+                sample.main([*argv, f"--lengths={n}", "--segment=100000"])
+                named = n
+            except SystemExit as e:
+                named = int(re.search(r"at least (\d+)$", e.code).group(1))
+        with pytest.raises(SystemExit, match=f"{n - 1} tokens cannot hold .* at least {n}$"):
+            sample.main([*argv, f"--lengths={n - 1}"])
+        sample.main([*argv, f"--lengths={n}"])
+        assert re.search(rf"^\s+{n}\s+3\s+\d+\.\d%", capsys.readouterr().out, re.M)
+
+
+def test_sample_haystack_read_once(tmp_path, monkeypatch, capsys):
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("The fox ran over the hill and back again. " * 200)
+    made = []
+
+    class Counted(sample.Haystack):
+        def __init__(self, *a):
+            made.append(a[0])
+            super().__init__(*a)
+
+    monkeypatch.setattr(sample, "Haystack", Counted)
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--passkey", "--vartrack", "--lengths=300",
+                 "--samples_per_length=1", f"--haystack={tmp_path / 'books'}", "--device=cpu"])
+    assert len(made) == 1 and capsys.readouterr().out.count("filler from") == 2  # one read, both tests
+
+
+def test_sample_top_k_zero_is_off(tmp_path, monkeypatch):
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    seen, generate = [], DRT.generate
+    monkeypatch.setattr(DRT, "generate", lambda self, *a, **kw: seen.append(a[3]) or generate(self, *a, **kw))
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Hi", "--max_new_tokens=3", "--top_k=0",
+                 "--device=cpu"])
+    assert seen == [None]  # sample among all tokens
+
+
+@pytest.mark.parametrize("kind", ["text", "empty", "half", "tensor"])
+def test_sample_broken_checkpoint(kind, tmp_path, monkeypatch):
+    """A ckpt.pt cut short or of another kind is a one-line error, not a zip or pickle traceback."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    path = tmp_path / "ckpt.pt"
+    if kind == "tensor":
+        torch.save(torch.zeros(3), path)
+    else:
+        whole = Path(tiny_checkpoint(path)).read_bytes()
+        path.write_bytes({"text": b"not a checkpoint\n", "empty": b"", "half": whole[: len(whole) // 2]}[kind])
+    message = "is not a train.py checkpoint" if kind == "tensor" else "is truncated or not a torch checkpoint"
+    with pytest.raises(SystemExit, match="^sample.py: error: .*" + message) as e:
+        sample.main([f"--out_dir={tmp_path}", "--prompt=Hi", "--device=cpu"])
+    assert "\n" not in e.value.code
+
+
+class RunsCode:
+    """Unpickled, it would make the folder `path`: what a ckpt.pt from anywhere could do with pickle."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path, monkeypatch):
+    """A ckpt.pt whose pickle would run code is refused, unrun, by sample.py and train.py alike
+    (both load through common.load_checkpoint, weights_only)."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    (tmp_path / "run").mkdir()
+    ckpt = torch.load(tiny_checkpoint(tmp_path / "run" / "ckpt.pt"))
+    ran = tmp_path / "code-ran"
+    torch.save({**ckpt, "model": RunsCode(str(ran))}, tmp_path / "run" / "ckpt.pt")
+    with pytest.raises(SystemExit, match=r"^sample.py: error: .*ckpt.pt holds Python objects .* could run code"):
+        sample.main([f"--out_dir={tmp_path / 'run'}", "--prompt=Hi", "--device=cpu"])
+    with pytest.raises(common.CheckpointError, match=r"ckpt.pt holds Python objects .* could run code"):
+        train.main(tiny_args(tmp_path, "ft", f"--init_from={tmp_path / 'run'}"))
+    assert not ran.exists()
+
+
+def test_sample_help(capsys):
+    import sample
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert e.value.code == 0
+    for flag, default in [("--top_k TOP_K", 200), ("--max_new_tokens MAX_NEW_TOKENS", 200),
+                          ("--segment SEGMENT", 65536), ("--num_samples NUM_SAMPLES", 1), ("--samples_per_length N", 10)]:
+        assert out.split(flag + " ", 1)[1].split("(default: ", 1)[1].startswith(f"{default})"), flag
+    # the two sample counts, told apart; the old name --samples still parses but is not shown
+    assert "--num_samples NUM_SAMPLES generations to draw" in out and "--samples_per_length N test prompts per" in out
+    assert "--samples " not in out and "[--samples " not in out
+    for text in (out, sample.__doc__):
+        assert not re.search(r"DESIGN|\.\./shared", text)  # the repository stands alone

@@ -1,0 +1,657 @@
+"""
+Tests of training (train.py, configurator.py): the config block and its errors, resume and
+fine-tuning, copy rows and synthetic-task rows, the teacher, DDP on the CPU (gloo), Ctrl-C and
+dying ranks.
+"""
+
+import glob
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import train
+from conftest import (
+    HERE,
+    TINY,
+    end_run,
+    load_ckpt,
+    parse,
+    read_until,
+    start_run,
+    tiny_args,
+    tiny_dataset,
+    tokenizer_or_skip,
+)
+from model import (
+    DRT,
+    DRTConfig,
+)
+
+
+def test_copy_rows(tmp_path):
+    """copy_frac: that share of training rows become a random span repeated to the end (past the
+    first pass every target is the token one span back), near (24-100 tokens) or past the windows'
+    reach (only retrieval can copy those); the other rows are the ones copy_frac=0 draws, and
+    evaluation batches stay text."""
+    import random
+    import types
+    config, _ = parse(tiny_args(tmp_path, "run", "--block_size=300", "--batch_size=32", "--window=64"))
+    reach = (config["n_lower"] + sum(config["groups"])) * config["window"]  # 2 layers x 64 positions: far > 100
+    text = train.Data(types.SimpleNamespace(**config), torch.device("cpu"))
+    copy = train.Data(types.SimpleNamespace(**{**config, "copy_frac": 0.5}), torch.device("cpu"))
+    x0, _ = text.batch("train", random.Random(1), training=True)
+    x, y = copy.batch("train", random.Random(1), training=True)
+    period = [next((L for L in range(1, 200) if torch.equal(x[b, L:], x[b, :-L])), 0) for b in range(32)]
+    near, far = [L for L in period if 24 <= L <= 100], [L for L in period if reach < L < 300 - 100]
+    assert len(near) + len(far) == sum(L > 0 for L in period) and 8 <= len(near) + len(far) <= 24
+    assert len(near) >= 3 and len(far) >= 3
+    assert all(L > 0 or torch.equal(x[b], x0[b]) for b, L in enumerate(period))
+    assert x.max() < copy.vocab and torch.equal(x[:, 1:], y[:, :-1])
+    for split in ("train", "val"):  # evaluation never copies
+        assert torch.equal(copy.batch(split, random.Random(2))[0], text.batch(split, random.Random(2))[0])
+
+
+def test_config_block_and_help(capsys):
+    """--help prints the hyperparameter block, every key with a why-comment, and DRTConfig's fields as
+    model.py writes them (their one home: train.py does not repeat them); the shipped config files
+    parse and check."""
+    import inspect
+    assert set(train.MODEL_KEYS) <= set(train.DEFAULTS)
+    assert DRTConfig(**{k: train.DEFAULTS[k] for k in train.MODEL_KEYS}) == DRTConfig()
+    assert train.main(["--help"]) == []
+    out = capsys.readouterr().out
+    for key in train.DEFAULTS:
+        if key in train.MODEL_KEYS:
+            assert re.search(rf"^    {key}: \w+ = .+  # \S", out, re.M), key
+            assert not re.search(rf"^{key} = ", Path(train.__file__).read_text(), re.M), key
+        else:
+            assert re.search(rf"^{key} = .+  # \S", out, re.M), key
+    assert inspect.getsource(DRTConfig).split("\n    def ")[0].rstrip() in out
+    configs = sorted(glob.glob(os.path.join(HERE, "config", "*.py")))
+    assert len(configs) >= 4
+    for path in configs:
+        c, explicit = parse([path])
+        train.check_config(c)
+        DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
+        assert explicit
+
+
+def test_config_files_layer():
+    """Config files run in order: config/code_teacher.py changes config/code_lm.py's run into the README's
+    teacher run, and the two together are a valid run."""
+    c, explicit = parse([os.path.join(HERE, "config", f) for f in ("code_lm.py", "code_teacher.py")])
+    train.check_config(c)
+    cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
+    assert (c["block_size"], cfg.n_embd, cfg.topk) == (8190, 384, 4)  # code_lm's shape stays
+    assert 0 < c["teacher_iters"] < c["max_iters"] and cfg.read_next and not cfg.softmax_off_by_one
+    assert {"teacher_iters", "pool_retrieval", "block_size"} <= explicit
+
+
+def test_overrides():
+    c, explicit = parse(["--groups=3,3", "--learning_rate=1", "--out_dir=out-x", "--dataset=passkey",
+                                      "--compile=True", "--groups=()"])
+    assert c["groups"] == () and c["learning_rate"] == 1.0 and type(c["learning_rate"]) is float
+    assert c["out_dir"] == "out-x" and c["dataset"] == "passkey" and c["compile"] is True
+    assert explicit == {"groups", "learning_rate", "out_dir", "dataset", "compile"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lerning_rate=1e-3"], r"unknown key 'lerning_rate' \(did you mean learning_rate\?\)"),
+    (["--max_iters=1.5"], r"max_iters must be of type int like its default 60000, got 1.5"),
+    (["--groups=3"], r"groups must be of type tuple"),
+    (["--compile=1"], r"compile must be of type bool"),
+    (["--batch_size"], r"write overrides as --key=value"),
+    (["--block_size=0"], r"block_size=0 must be a positive int"),
+    (["config/nothing.py"], r"config file config/nothing.py not found"),
+    (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac and repeat_frac mix rows into a text dataset; --dataset=passkey"),
+    (["--device=tpu"], r"^device='tpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'$"),
+    (["--dataset=passkey,nope"], r"^dataset='passkey,nope': a comma list is of synthetic tasks, each one of passkey, "),
+    (["--learning_rate=-1"], r"^learning_rate=-1.0 must be >= 0$"),
+    (["--max_iters=-5"], r"^max_iters=-5 must be a positive int$"),  # the one wrong value, not stop_iter's range too
+], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file",
+        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr", "negative-iters"])
+def test_config_errors(argv, message):
+    with pytest.raises(train.ConfigError, match=message):
+        train.main(argv)
+
+
+def test_config_file_unknown_key(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("import math\nbatch_size = 2\nn_emdb = 64\n")
+    with pytest.raises(train.ConfigError, match=r"bad.py: unknown key 'n_emdb' \(did you mean n_embd\?\)"):
+        train.main([str(path)])
+    path.write_text("batch_size = 2\nn_embd = (64\n")
+    with pytest.raises(train.ConfigError, match=r"^config file .*bad.py does not run \(SyntaxError: .*line 2.*\): fix it$"):
+        train.main([str(path)])
+
+
+def test_data_checked_before_anything(tmp_path):
+    """Ids past the vocabulary in val.bin (sampled from its first to its last token): one line, before
+    a model is built or out_dir made."""
+    data = Path(tiny_dataset(tmp_path / "data"))
+    (data / "val.bin").write_bytes((data / "val.bin").read_bytes()[:-2] + np.uint16(60000).tobytes())
+    with pytest.raises(train.ConfigError, match=r"val.bin holds token id 60000, outside vocab_size=95 of its "
+                                                r"meta.json: prepare the data again"):
+        train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+    train.main(tiny_args(tmp_path, "out", "--max_iters=1", "--eval_iters=1"))  # the data as made: it trains
+
+
+def test_data_sizes_checked_against_meta(tmp_path):
+    """A .bin cut short (its meta.json counts more tokens) or of an odd byte count: one line naming the
+    file, before anything is built."""
+    data = Path(tiny_dataset(tmp_path / "data"))
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"] = {"train": {"tokens": 5000}, "val": {"tokens": 1000}}
+    (data / "meta.json").write_text(json.dumps(meta))
+    train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'ok'}", "--max_iters=1", "--eval_iters=1"])  # as listed: it trains
+    (data / "train.bin").write_bytes((data / "train.bin").read_bytes()[:8000])
+    with pytest.raises(train.ConfigError, match=r"train.bin has 8,000 bytes, 5,000 uint16 tokens by its meta.json: prepare"):
+        train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    (data / "train.bin").write_bytes((data / "train.bin").read_bytes() + b"x")
+    del meta["splits"]["train"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(train.ConfigError, match=r"train.bin has 8,001 bytes, not a whole number of uint16 tokens"):
+        train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_setup_errors(tmp_path):
+    with pytest.raises(train.ConfigError, match=r"meta.json not found: prepare the data first, e.g. python prepare_pg19.py"):
+        train.main([*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(train.ConfigError, match=r"meta.json not found: prepare the data first, e.g. python prepare_code.py"):
+        train.main([*TINY, "--dataset=code", f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(train.ConfigError, match=r"val.bin has 1,000 tokens, fewer than block_size\+1=1,009; lower --block_size"):
+        train.main(tiny_args(tmp_path, "out", "--block_size=1008"))
+    with pytest.raises(train.ConfigError, match=r"tokens_per_step=100 is not a multiple of batch_size\*block_size\*GPUs"):
+        train.main(tiny_args(tmp_path, "out", "--tokens_per_step=100"))
+    with pytest.raises(train.ConfigError, match=r"gives fewer than 3 chunks"):
+        train.main(tiny_args(tmp_path, "out", "--block_size=14"))
+    with pytest.raises(train.ConfigError, match=r"landmark_id=95 must lie above them"):
+        train.main([*TINY, f"--data_dir={tiny_dataset(tmp_path / 'big', vocab=200)}", f"--out_dir={tmp_path / 'out'}"])
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(train.ConfigError, match=r"out_dir .*a_file is a file, or inside one: pass --out_dir="):
+        train.main(tiny_args(tmp_path, "a_file"))
+    with pytest.raises(train.ConfigError, match=r"out_dir .*a_file/out is a file, or inside one"):
+        train.main(tiny_args(tmp_path, "a_file/out"))
+    with pytest.raises(train.ConfigError, match=r"no checkpoint at .*ckpt.pt: use --init_from=scratch"):
+        train.main(tiny_args(tmp_path, "empty", "--init_from=resume"))
+
+
+def test_progress(tmp_path, monkeypatch, capsys):
+    """A step or an evaluation that runs long says how far it got (here: 'long' made 0 s)."""
+    args = tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--tokens_per_step=140")
+    train.main(args)
+    assert "micro-batch" not in capsys.readouterr().out  # a tiny run: quiet
+    monkeypatch.setattr(train, "PROGRESS_AFTER", -1)
+    train.main([*args, "--overwrite=True"])
+    out = capsys.readouterr().out
+    assert re.search(r"^step 1: micro-batch 1/2 done after 0m\d\ds$", out, re.M)
+    assert re.search(r"^eval val: micro-batch 2/2 done after 0m\d\ds$", out, re.M)
+
+
+def test_resume_is_exact(tmp_path):
+    """6 steps in one go == 3 steps, stop, resume, 3 more: the same losses and weights, bit for
+    bit (data windows and Gumbel noise are functions of (seed, step, micro-batch))."""
+    full = train.main(tiny_args(tmp_path, "full", "--always_save_checkpoint=True"))
+    first = train.main(tiny_args(tmp_path, "split", "--stop_iter=3"))
+    rest = train.main(tiny_args(tmp_path, "split", "--init_from=resume"))
+    assert [it for it, _ in full] == [1, 2, 3, 4, 5, 6] and full[-1][1] < full[0][1]
+    assert first + rest == full
+    a, b = load_ckpt(tmp_path / "full"), load_ckpt(tmp_path / "split")
+    assert a["iter_num"] == b["iter_num"] == 6
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    with open(tmp_path / "split" / "ckpt.json") as f:  # readable without torch
+        summary = json.load(f)
+    assert summary["iter_num"] == 6 and summary["model_args"]["groups"] == [1] and summary["config"]["block_size"] == 35
+
+
+def test_resume_restores_config(tmp_path, capsys):
+    """--init_from=resume with nothing but out_dir continues with the checkpoint's config (data,
+    model, schedule, device): a run in pieces equals one run. Keys given now are applied and
+    printed; stop_iter says what this command does, so it is not restored."""
+    full = train.main(tiny_args(tmp_path, "full", "--max_iters=4", "--eval_interval=2"))
+    first = train.main(tiny_args(tmp_path, "split", "--max_iters=4", "--eval_interval=2", "--stop_iter=2"))
+    capsys.readouterr()
+    rest = train.main([f"--out_dir={tmp_path / 'split'}", "--init_from=resume"])
+    assert "resume:" not in capsys.readouterr().out
+    assert first + rest == full and [it for it, _ in full] == [1, 2, 3, 4]
+    more = train.main([f"--out_dir={tmp_path / 'split'}", "--init_from=resume", "--max_iters=5", "--log_interval=1"])
+    out = capsys.readouterr().out
+    assert [it for it, _ in more] == [5]
+    assert re.findall(r"^resume: .*$", out, re.M) == ["resume: max_iters 4 -> 5 (given now)"]
+    c = load_ckpt(tmp_path / "split")["config"]
+    assert c["max_iters"] == 5 and c["block_size"] == 35 and c["n_embd"] == 32 and c["data_dir"] == str(tmp_path / "data")
+
+
+def test_resume_conflicting_model(tmp_path):
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    with pytest.raises(train.ConfigError, match=r"ckpt.pt is at step 1, past max_iters=0: pass --max_iters above 1"):
+        train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", "--max_iters=0"])
+    with pytest.raises(train.ConfigError, match=r"has n_embd=32, the config asks 64: drop --n_embd .* or start a new out_dir"):
+        train.main(tiny_args(tmp_path, "run", "--init_from=resume", "--n_embd=64", "--max_iters=2"))
+    # model keys left out are taken from the checkpoint
+    no_model_keys = [a for a in tiny_args(tmp_path, "run", "--init_from=resume", "--max_iters=2")
+                     if a.split("=")[0][2:] not in train.MODEL_KEYS]
+    assert [it for it, _ in train.main(no_model_keys)] == [2]
+
+
+def test_finetune_from_checkpoint(tmp_path):
+    """init_from=<another run>: that run's weights and architecture, a fresh optimizer and schedule
+    from step 0, at another block_size (e.g. PG19 weights, then a synthetic task)."""
+    train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--eval_interval=3"))
+    base = load_ckpt(tmp_path / "base")
+    no_model_keys = [a for a in tiny_args(tmp_path, "ft", f"--init_from={tmp_path / 'base'}", "--block_size=70",
+                                          "--max_iters=1", "--eval_interval=1", "--learning_rate=0", "--min_lr=0")
+                     if a.split("=")[0][2:] not in train.MODEL_KEYS]
+    hist = train.main(no_model_keys)
+    assert [it for it, _ in hist] == [1]  # counts from step 0, not from the base run's 3
+    ft = load_ckpt(tmp_path / "ft")
+    assert ft["iter_num"] == 1 and ft["model_args"] == base["model_args"] and ft["config"]["block_size"] == 70
+    for name, t in base["model"].items():  # learning rate 0: the weights are the base run's, untouched
+        assert torch.equal(t, ft["model"][name]), name
+    assert ft["optimizer"]["state"][0]["step"] == 1  # a fresh AdamW, not the base run's (step 3)
+    with pytest.raises(train.ConfigError, match=r"init_from='.*nowhere': no checkpoint there"):
+        train.main(tiny_args(tmp_path, "ft2", f"--init_from={tmp_path / 'nowhere'}"))
+    with pytest.raises(train.ConfigError, match=r"base/ckpt.pt at step 3 exists: continue that run with --init_from=resume"):
+        train.main(tiny_args(tmp_path, "base", f"--init_from={tmp_path / 'base'}"))  # its own checkpoint
+    with pytest.raises(train.ConfigError, match=rf"checkpoint {re.escape(str(tmp_path / 'base' / 'ckpt.pt'))} has "
+                                                r"n_embd=32, the config asks 64"):  # the file it read, not ft3's
+        train.main(tiny_args(tmp_path, "ft3", f"--init_from={tmp_path / 'base'}", "--n_embd=64"))
+
+
+def test_out_dir_with_a_checkpoint(tmp_path):
+    """A run from scratch or a fine-tune into an out_dir that holds a checkpoint stops before it
+    changes anything, unless told --overwrite=True; the last step is saved even when val never
+    improved, so out_dir ends up holding this run and not the one it replaced."""
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    train.main(tiny_args(tmp_path, "base", "--max_iters=1", "--eval_interval=1", "--eval_iters=1", "--seed=1"))
+    before = (tmp_path / "run" / "ckpt.pt").read_bytes()
+    for init in ("scratch", tmp_path / "base"):
+        with pytest.raises(train.ConfigError, match=r"run/ckpt.pt at step 1 exists: continue that run with "
+                                                    r"--init_from=resume, replace it with --overwrite=True"):
+            train.main(tiny_args(tmp_path, "run", f"--init_from={init}", "--max_iters=2"))
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
+    # learning rate 0: val at step 2 equals val at step 0, never better; always_save_checkpoint=False saves the last step
+    train.main(tiny_args(tmp_path, "run", "--overwrite=True", "--always_save_checkpoint=False", "--max_iters=2",
+                         "--eval_interval=1", "--learning_rate=0", "--min_lr=0"))
+    ckpt = load_ckpt(tmp_path / "run")
+    assert ckpt["iter_num"] == 2 and ckpt["config"]["learning_rate"] == 0
+    assert json.loads((tmp_path / "run" / "ckpt.json").read_text())["val_loss"] == ckpt["best_val_loss"]
+
+
+def test_bad_checkpoint_files(tmp_path):
+    """A truncated, foreign or not-resumable ckpt.pt: one line that says so, for resume and fine-tune."""
+    import argparse
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+    good = (tmp_path / "run" / "ckpt.pt").read_bytes()
+    os.makedirs(tmp_path / "bad")
+    bad = tmp_path / "bad" / "ckpt.pt"
+    cases = [
+        (good[: len(good) // 2], r"is truncated or not a torch checkpoint"),
+        (b"", r"is truncated or not a torch checkpoint"),
+        ({"model": argparse.Namespace(), "model_args": {}}, r"holds Python objects a train.py checkpoint never has"),
+        ({"weight": torch.zeros(2)}, r"is not a train.py checkpoint \(no model_args/model\)"),
+    ]
+    for content, message in cases:
+        if isinstance(content, bytes):
+            bad.write_bytes(content)
+        else:
+            torch.save(content, bad)
+        with pytest.raises(common.CheckpointError, match=message + r".*: start over with --init_from=scratch") as e:
+            train.main(tiny_args(tmp_path, "bad", "--init_from=resume"))
+        assert "\n" not in str(e.value)
+        with pytest.raises(common.CheckpointError, match=message + r".*: point --init_from at a train.py ckpt.pt"):
+            train.main(tiny_args(tmp_path, "ft", f"--init_from={bad}"))
+    weights = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    weights.pop("optimizer")  # weights alone: they fine-tune, but do not resume
+    torch.save(weights, bad)
+    with pytest.raises(common.CheckpointError, match=r"holds weights alone .*cannot be resumed: fine-tune from it"):
+        train.main(tiny_args(tmp_path, "bad", "--init_from=resume", "--max_iters=2"))
+    train.main(tiny_args(tmp_path, "ft2", f"--init_from={bad}", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+
+
+def test_passkey_task(tmp_path, monkeypatch):
+    tokenizer_or_skip(monkeypatch)
+    hist = train.main(["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
+                       "--chunk_size=8", "--window=16", "--topk=3", "--block_size=70", "--batch_size=2", "--tokens_per_step=0",
+                       "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--log_interval=1", "--device=cpu",
+                       f"--out_dir={tmp_path / 'out'}"])
+    assert [it for it, _ in hist] == [1, 2] and all(np.isfinite(loss) for _, loss in hist)
+    assert load_ckpt(tmp_path / "out")["model_args"]["vocab_size"] == 50304  # GPT-2's vocabulary
+    with pytest.raises(train.ConfigError, match=r"needles from token 490: raise --block_size or lower --task_min_depth"):
+        train.main(["--dataset=passkey", "--block_size=504", "--task_min_depth=490", "--device=cpu",
+                    f"--out_dir={tmp_path / 'x'}"])
+    with pytest.raises(train.ConfigError, match=r"task_min_depth=-1 must be >= 0"):
+        train.main(["--task_min_depth=-1"])
+    with pytest.raises(train.ConfigError, match=r"task_names='words' must be one of pool, twenty"):
+        train.main(["--task_names=words"])
+
+
+def test_task_keys_and_templates(tmp_path, monkeypatch):
+    """--task_keys, --task_templates and --task_digits reach the training rows (12 keys in the held-out
+    phrasing here, ranges and a mix through get_batch); bad values are one-line ConfigErrors."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    rows, get_batch = [], tasks.get_batch
+
+    def spy(*a, **kw):  # the rows train.py trains and evaluates on
+        x, y = get_batch(*a, **kw)
+        rows.append(x)
+        return x, y
+
+    monkeypatch.setattr(tasks, "get_batch", spy)
+    train.main(["--dataset=multikey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
+                "--chunk_size=8", "--window=16", "--topk=3", "--block_size=250", "--batch_size=2", "--tokens_per_step=0",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=1", "--log_interval=1", "--device=cpu",
+                "--task_keys=12", "--task_templates=code", f"--out_dir={tmp_path / 'out'}"])
+    texts = [enc.decode(r.tolist()) for x in rows for r in x]
+    needles = [re.findall(r"The secret code for \w+ is \d+\.", t.split("What is")[0]) for t in texts]  # before the question
+    assert texts and all(len(n) == 12 for n in needles)
+    x, _ = get_batch("multikey", 24, 400, random.Random(0), enc, keys=(2, 16), templates=("key", "number"))
+    counts = [len(re.findall(r" (?:pass key|magic number) of \w+ is \d+\.", enc.decode(r.tolist()).split("What is")[0]))
+              for r in x]
+    assert min(counts) >= 2 and max(counts) <= 16 and len(set(counts)) > 3
+    assert {"pass key", "magic number"} == {re.search(r"What is the (pass key|magic number)", enc.decode(r.tolist()))[1]
+                                            for r in x}
+    x, y = get_batch(["passkey", "multikey"], 32, 400, random.Random(1), enc, keys=(2, 16), templates=("many",),
+                     answer_only=True)
+    nouns = set()
+    for r, t in zip(x, y):
+        text = enc.decode(r.tolist())
+        noun, named = re.search(r"What is the ([\w ]+?)((?: (?:of|for) \w+)?)\? The \1\2 is", text).groups()
+        key = re.search(rf"The {noun}{named} is (\d+)\.", text.split("What is")[0])[1]  # its needle, before the question
+        assert enc.decode(t[t >= 0].tolist()) == f" {key}{tasks.ANSWER_END}"  # the loss: the asked key, then the stop
+        assert "secret" not in text and "code" not in text  # the held-out phrasing's words never appear
+        nouns.add(noun)
+    assert nouns <= set(tasks.NOUNS) and len(nouns) >= 10
+    x, y = get_batch(["passkey", "multikey"], 32, 400, random.Random(2), enc, keys=(2, 16), digits=(3, 7),
+                     answer_only=True)
+    sizes = [len(enc.decode(t[t >= 0].tolist()).strip().rstrip(tasks.ANSWER_END.strip())) for t in y]  # the asked key
+    assert set(sizes) == {3, 4, 5, 6, 7}
+    for bad, message in [("--task_keys=1", r"task_keys='1' must be N or A-B, 2 <= A <= B <= 16"),
+                         ("--task_keys=8-3", r"task_keys='8-3'"), ("--task_digits=2-7", r"task_digits='2-7' must be"),
+                         ("--task_templates=key,nope", r"task_templates='key,nope' must be a comma list of key, number")]:
+        with pytest.raises(train.ConfigError, match=message):
+            train.main([bad])
+
+
+def test_word_pool(monkeypatch):
+    """--task_names=pool: multi-key trains on thousands of one-token words, none of them a name any
+    test asks about (NAMES, UNSEEN_NAMES), so only matching names can pass a test."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    pool = tasks.word_pool(enc)
+    assert len(pool) > 10000 and len(set(pool)) == len(pool)
+    assert not set(pool) & (set(tasks.NAMES) | set(tasks.UNSEEN_NAMES))
+    assert all(len(enc.encode_ordinary(" " + w)) == 1 and w.isalpha() for w in random.Random(0).sample(pool, 500))
+    x, _ = tasks.get_batch("multikey", 8, 300, random.Random(0), enc, names=pool)
+    rows = [enc.decode(row.tolist()) for row in x]
+    assert all(set(re.findall(r"pass key of (\w+)", row)) <= set(pool) for row in rows)
+    assert len({re.search(r"pass key of (\w+)\?", row).group(1) for row in rows}) == 8  # asked: 8 draws from 12K
+
+
+def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
+    """The passkey recipe's plumbing at toy size: config/passkey_pretrain.py on text and copy rows, then
+    config/passkey_finetune.py from it (a task mix, a real-text haystack, aligned questions, pool names),
+    then sample.py's test table on the result."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    data = tiny_dataset(tmp_path / "pg19", vocab=50257)  # GPT-2 ids, as prepare_pg19.py writes them
+    small = ["--n_embd=32", "--n_head=2", "--batch_size=2", "--block_size=250", "--max_iters=2", "--eval_interval=2",
+             "--eval_iters=1", "--log_interval=1", "--device=cpu"]
+    pre, ft = tmp_path / "pre", tmp_path / "ft"
+    train.main([os.path.join(HERE, "config/passkey_pretrain.py"), *small, f"--data_dir={data}", f"--out_dir={pre}"])
+    hist = train.main([os.path.join(HERE, "config/passkey_finetune.py"), *small[2:], f"--init_from={pre}",
+                       f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40",
+                       "--task_names=pool", "--block_size=504"])  # 16 keys need ~400 tokens
+    assert [it for it, _ in hist] == [1, 2]
+    a, b = load_ckpt(pre), load_ckpt(ft)
+    assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1
+    assert a["config"]["copy_frac"] == 0.5  # stage 1 learns copying on rows of random tokens
+    assert b["config"]["task_align"] and b["config"]["dataset"] == "passkey,multikey"  # one model, 2 tasks
+    assert b["config"]["task_names"] == "pool" and b["config"]["task_keys"] == "2-16"  # more keys than top-k
+    assert b["config"]["task_templates"] == "key,number,id"  # "code" held out
+    capsys.readouterr()
+    sample.main([f"--out_dir={ft}", "--passkey", "--lengths=500,2K", "--samples_per_length=2", "--device=cpu",
+                 f"--haystack={data}/val.bin"])
+    out = capsys.readouterr().out
+    assert "question aligned to a chunk" in out and len(re.findall(r"^\s+(500|2K)\s+2\s+\d+\.\d%", out, re.M)) == 2
+
+
+def test_ddp_matches_one_process(tmp_path):
+    """torchrun, 2 CPU processes (gloo), batch 1 each == one process, batch 1, 2 accumulation steps:
+    the same global batch and noise. Two steps, so a rank whose weights drifted after step 1 would
+    change step 2's averaged gradient and the rank-0 checkpoint. Only rank 0 prints and saves."""
+    extra = ["--batch_size=1", f"--tokens_per_step={2 * 35}", "--max_iters=2", "--eval_interval=2"]
+    single = train.main(tiny_args(tmp_path, "single", *extra))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *tiny_args(tmp_path, "ddp", *extra)]
+    r = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "2 rank(s) x 1 accum" in r.stdout
+    ddp = [(int(m[1]), float(m[2])) for m in re.finditer(r"^iter (\d+)/2 \| loss ([\d.]+)", r.stdout, re.M)]
+    assert [it for it, _ in ddp] == [1, 2]  # printed once: by rank 0 alone
+    for (_, a), (_, b) in zip(ddp, single):
+        assert a == pytest.approx(b, rel=1e-4)  # the log prints 4 decimals
+    a, b = load_ckpt(tmp_path / "ddp"), load_ckpt(tmp_path / "single")
+    assert a["iter_num"] == b["iter_num"] == 2
+    for name, t in a["model"].items():
+        torch.testing.assert_close(t, b["model"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ddp_timeout(tmp_path, monkeypatch):
+    """The process group waits ddp_timeout seconds for a hung rank (torch's default: 10 min for NCCL,
+    30 for gloo). By hand: a stopped rank and --ddp_timeout=3 end in gloo's 'Timed out waiting 3000ms'."""
+    seen = {}
+
+    def init_process_group(backend, **kw):
+        seen.update(kw, backend=backend)
+        raise train.ConfigError("enough")
+
+    monkeypatch.setattr(train.dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(train.ConfigError, match="enough"):
+        train.main(tiny_args(tmp_path, "run", "--ddp_timeout=7"))
+    assert seen["backend"] == "gloo" and seen["timeout"].total_seconds() == 7
+
+
+def interrupt_after(cmd, pattern):
+    """Run cmd, send it one Ctrl-C once its stdout shows pattern -> (exit status, stdout, stderr)."""
+    proc = start_run(cmd)
+    try:
+        read_until(proc.stdout, pattern)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    return proc.returncode, out, err
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ctrl_c_saves_and_resumes(tmp_path):
+    """Ctrl-C: the run stops at the next step boundary, saves, exits 130 and prints the command that
+    continues it, which does. A second Ctrl-C, a second or more later, stops at once."""
+    run = tmp_path / "run"
+    rc, out, err = interrupt_after([sys.executable, "train.py", *tiny_args(tmp_path, "run", "--max_iters=100000",
+                                                                            "--eval_interval=100000")], r"iter 1/")
+    assert rc == 130 and "Traceback" not in err, err
+    m = re.search(r"^train.py: interrupted: saved (.*) at step (\d+); continue with: (python train.py .* --init_from=resume)$",
+                  err, re.M)
+    assert m and m[1] == str(run / "ckpt.pt"), err
+    step = int(m[2])
+    assert step >= 1 and load_ckpt(run)["iter_num"] == step and f"saved {run / 'ckpt.pt'} at step {step}" in out
+    again = shlex.split(m[3])[2:]
+    assert [it for it, _ in train.main([*again, f"--max_iters={step + 2}"])] == [step + 1, step + 2]
+    # the second Ctrl-C: inside a long evaluation, which the first one waits for
+    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run2", "--eval_iters=1000000")])
+    try:
+        read_until(proc.stdout, r"DRT groups")
+        proc.send_signal(signal.SIGINT)
+        threading.Event().wait(1.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved" and not os.path.exists(tmp_path / "run2" / "ckpt.pt")
+    # one Ctrl-C inside the first evaluation: no step was taken, so nothing is saved (a step-0
+    # checkpoint would only make the next run of the same command refuse to overwrite it)
+    rc, out, err = interrupt_after([sys.executable, "train.py", *tiny_args(tmp_path, "run3", "--eval_iters=30")],
+                                   r"DRT groups")
+    assert rc == 130 and err.strip() == "train.py: interrupted before the first step: nothing saved", err
+    assert not os.path.exists(tmp_path / "run3" / "ckpt.pt")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ctrl_c_after_a_library_took_sigint(tmp_path):
+    """A handler installed during the run over ours (on the GPU: LLVM's, at Triton's first compile; while it
+    runs SIGINT has its default action) is replaced at the next step boundary: Ctrl-C still saves and says so,
+    instead of killing the run silently."""
+    steal = tmp_path / "steal.py"  # a config file (Python): at the first forward, SIGINT gets its default action
+    steal.write_text("import signal as _signal\nimport model as _model\n_forward = _model.DRT.forward\n"
+                     "def _first(self, *a, **k):\n    _model.DRT.forward = _forward\n"
+                     "    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)\n    return _forward(self, *a, **k)\n"
+                     "_model.DRT.forward = _first\n")
+    rc, out, err = interrupt_after([sys.executable, "train.py", str(steal),
+                                    *tiny_args(tmp_path, "run", "--max_iters=100000", "--eval_interval=100000")], r"iter 3/")
+    assert rc == 130, (rc, err)  # -2: killed by SIGINT, nothing printed or saved
+    m = re.search(r"^train.py: interrupted: saved .* at step (\d+); continue with: ", err, re.M)
+    assert m and load_ckpt(tmp_path / "run")["iter_num"] == int(m[1]) >= 3, err
+
+
+def torchrun_tiny(tmp_path, run, *extra):
+    """train.py under torchrun, 2 CPU processes (gloo), batch 1 each, running long enough to be
+    interrupted; each rank writes its pid to tmp_path/pid<rank> from a config file (config files are Python)."""
+    pids = tmp_path / "pids.py"
+    pids.write_text(f"import os as _os\nwith open({str(tmp_path)!r} + '/pid' + _os.environ.get('RANK', 'x'), 'w') as _f:\n"
+                    f"    _f.write(str(_os.getpid()))\n")
+    args = tiny_args(tmp_path, run, "--batch_size=1", f"--tokens_per_step={2 * 35}", "--max_iters=100000", *extra)
+    return start_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                      str(pids), *args], pid_files=[tmp_path / "pid0", tmp_path / "pid1"])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ddp_ctrl_c(tmp_path):
+    """Ctrl-C under torchrun (which forwards it to each worker): all ranks stop at the same step,
+    rank 0 saves, and says once how to continue."""
+    proc = torchrun_tiny(tmp_path, "run", "--eval_interval=100000")
+    try:
+        read_until(proc.stdout, r"iter 3/")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    m = re.findall(r"^train.py: interrupted: saved (.*) at step (\d+); continue with: torchrun <as before> train.py "
+                   r".* --init_from=resume$", err, re.M)
+    assert len(m) == 1 and m[0][0] == str(tmp_path / "run" / "ckpt.pt"), err[-3000:]
+    assert load_ckpt(tmp_path / "run")["iter_num"] == int(m[0][1]) and "[rank" not in err  # no rank's traceback
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_ddp_rank_dies(tmp_path):
+    """One rank is killed mid-run: the other stops with one line naming the last checkpoint (whole:
+    saves are atomic), and --init_from=resume continues from it (here on one process)."""
+    proc = torchrun_tiny(tmp_path, "run", "--eval_interval=2")
+    try:
+        read_until(proc.stdout, r"iter 5/")
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert proc.returncode != 0
+    m = re.search(r"^train.py: rank 0: stopped by SIGTERM \(another rank failed\?\); the last checkpoint is (.*) at step "
+                  r"(\d+): resume with --init_from=resume$", err, re.M)
+    assert m and m[1] == str(tmp_path / "run" / "ckpt.pt"), err[-3000:]
+    assert "[rank0]" not in err  # no traceback of rank 0's
+    step = int(m[2])
+    assert step >= 4 and load_ckpt(tmp_path / "run")["iter_num"] == step
+    hist = train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", f"--max_iters={step + 2}"])
+    assert [it for it, _ in hist] == [step + 1, step + 2]
+
+
+def test_repeat_passage_lies_past_the_reach():
+    """tasks.repeat_passage (train.py --repeat_frac): one passage of 63-504 tokens recurs, more than the windows' reach
+    after its first reading; the rest of the row is untouched."""
+    import random
+
+    import tasks
+    rng = random.Random(0)
+    for n, reach in [(1008, 512), (4032, 1536)]:
+        sizes = set()
+        for _ in range(100):
+            row = np.arange(n)
+            out = tasks.repeat_passage(row, rng, reach)
+            changed = np.flatnonzero(out != row)
+            assert 63 <= len(changed) <= 504 and np.all(np.diff(changed) == 1)  # one passage, in one piece
+            assert np.all(changed - out[changed] > reach)  # its source lies more than reach tokens back
+            sizes.add(len(changed))
+        assert len(sizes) > 20
+    assert np.array_equal(tasks.repeat_passage(np.arange(300), rng, 512), np.arange(300))  # no room: unchanged
+
+
+def test_train_reports_retrieval_health(tmp_path, capsys):
+    """Each evaluation line of a DRT run carries sum w, max w and GCA's sink share (a dying retriever,
+    or GCA reading nothing, shows there); the baseline's does not."""
+    train.main(tiny_args(tmp_path, "drt", "--max_iters=3"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
+    health = r"\| retrieval: sum w [01]\.\d{3}, max w [01]\.\d{3}, sink [01]\.\d\d$"
+    assert len(lines) == 2 and all(re.search(health, x) for x in lines)
+    train.main(tiny_args(tmp_path, "nosink", "--max_iters=3", "--gca_sink=False"))  # the slot is a key like the others
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
+    assert len(lines) == 2 and all(re.search(health.replace("sink", "landmark slot"), x) for x in lines)
+    train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--groups=()", "--n_lower=2"))
+    assert "retrieval:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("read_next", [False, True])
+def test_teacher_picks(read_next):
+    """teacher_iters' picks: for landmark t, the readable chunks before t sharing the most idf-weighted ids with
+    chunk t+1, as the picks Eq. 1 would make (under read_next, the chunk before each): a chunk that
+    recurs is read for its repeat, and no pick reads chunk t or later."""
+    cfg = DRTConfig(vocab_size=64, landmark_id=63, n_embd=32, n_head=4, n_lower=1, groups=(1,), chunk_size=4,
+                    window=8, topk=2, read_next=read_next)
+    T, first = cfg.chunk_size - 1, int(read_next)
+    chunks = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [4, 5, 6], [10, 11, 12], [7, 8, 13], [20, 21]]  # 3 repeats 1, 5 shares 7, 8 with 2
+    idx = torch.tensor([sum(chunks, [])])
+    picks = train.teacher_picks(idx, cfg)  # (1, 6, 2): the 6 complete chunks' landmarks
+    assert picks.shape == (1, 6, 2)
+    reads = torch.where(picks >= 0, picks + first, picks)[0]
+    assert reads[2, 0] == 1 and reads[4, 0] == 2  # chunk 3 reads its source, chunk 5 the chunk sharing 7, 8
+    t = torch.arange(6)[:, None]
+    assert ((reads == -1) | ((reads >= first) & (reads < t))).all()  # only chunks before t, and readable
+    assert (reads[0] == -1).all() and (reads[1, 1] == -1) and (reads[1, 0] == (-1 if read_next else 0))
+    assert len(set(reads[5].tolist())) == 2  # K distinct chunks where K are readable
+
+
+def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
+    """teacher_iters: the first steps' training forwards read teacher_picks; later steps, evaluation and
+    the checkpoint use Eq. 1 alone (hand_picks is None again)."""
+    seen, orig = [], DRT.retrieve
+
+    def spy(self, *a, **k):
+        seen.append((self.training, self.hand_picks is not None))
+        return orig(self, *a, **k)
+    monkeypatch.setattr(DRT, "retrieve", spy)
+    train.main(tiny_args(tmp_path, "t", "--teacher_iters=2", "--max_iters=4", "--eval_interval=4",
+                         "--eval_iters=1"))
+    training = [handed for is_training, handed in seen if is_training]
+    assert training == [True, True, False, False]  # one group, one micro-batch a step
+    assert not any(handed for is_training, handed in seen if not is_training)
