@@ -31,6 +31,7 @@ import time
 
 import torch
 
+import common
 import model as drt
 from common import MAX_LENGTH, fmt_len, parse_lengths, peak_flops, peak_mem_gib, stream_memory_error
 from model import DRT, DRTConfig
@@ -255,7 +256,7 @@ def bench_train(args, dev):
                 torch.cuda.empty_cache()
         dt = (time.time() - t0) / args.steps
         tok_s = args.batch_size * args.block_size / dt
-        mfu = f"{100 * raw.flops_per_token() * tok_s / peak:5.1f}%" if peak else "  n/a"
+        mfu = f"{100 * common.flops_per_token(raw) * tok_s / peak:5.1f}%" if peak else "  n/a"
         print(f"{label} {raw.num_params() / 1e6:7.1f}M {args.batch_size:>3d} x {args.block_size:<6d}"
               f" | {1000 * dt:8.1f} {tok_s:9,.0f} {mfu:>6s} {peak_gpu(dev):8.1f}G   (warm-up {warm:.0f}s)", flush=True)
         del raw

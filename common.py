@@ -10,6 +10,7 @@ processes, which need only fmt_time, do not load it.
 """
 
 import json
+import math
 import os
 import pickle
 import resource
@@ -104,6 +105,18 @@ def peak_flops(device):
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
+def flops_per_token(model):
+    """A DRT's training FLOPs (forward + backward = 3x forward) per text token, counting matmuls: 2 per weight
+    per position, attention 4*keys*C per position and layer. Over peak_flops and time: MFU."""
+    cfg, C, S = model.config, model.config.n_embd, model.config.chunk_size
+    per_pos = 2 * (model.num_params() - model.wte.weight.numel())  # every matrix but the embedding runs per position
+    per_pos += 4 * C * cfg.window * (cfg.n_lower + cfg.n_upper)  # sliding-window attention
+    per_pos += 4 * C * S * cfg.n_enc  # chunk encoder attention
+    per_pos += 4 * C * S * cfg.topk * cfg.n_upper  # GCA over K chunks of S
+    lm_head = 2 * model.wte.weight.numel()  # once per text token
+    return 3 * (per_pos * S / (S - 1) + lm_head)
+
+
 def available_mem():
     """Bytes of host memory available to a new allocation (Linux's MemAvailable), or None if unknown."""
     try:
@@ -172,7 +185,30 @@ def load_checkpoint(path, fix):
         raise CheckpointError(f"{path} is truncated or not a torch checkpoint: {fix}") from None
     if not isinstance(ckpt, dict) or not {"model_args", "model"} <= ckpt.keys():
         raise CheckpointError(f"{path} is not a train.py checkpoint (no model_args/model): {fix}")
+    upgrade(ckpt, path, fix)
     return ckpt
+
+
+# options this version removed (the notes give their results): a checkpoint that used one cannot be run the same
+REMOVED = {"ret_dim": 0, "enc_rope": False, "repeat_frac": 0.0}  # each at its off value
+RENAMED = {"pool_retrieval": ("pool_tokens", {"": False, "tokens": True})}  # old key: (new key, old value -> new)
+
+
+def upgrade(ckpt, path, fix):
+    """A checkpoint of an earlier version in today's keys, in place: a removed option at its off value is
+    dropped, a renamed one translated; any other value is a one-line CheckpointError naming the key."""
+    for part in ("model_args", "config"):
+        args = ckpt.get(part, {})
+        for key, off in REMOVED.items():
+            if key in args and args.pop(key) != off:
+                raise CheckpointError(f"{path} was trained with {key}, an option this version removed (the notes "
+                                      f"list it with the last commit that had it): {fix}")
+        for key, (new, values) in RENAMED.items():
+            if key in args:
+                if (old := args.pop(key)) not in values:
+                    raise CheckpointError(f"{path} was trained with {key}={old!r}, which this version removed "
+                                          f"(the notes list it with the last commit that had it): {fix}")
+                args[new] = values[old]
 
 
 def saved_at(out_dir):
@@ -206,3 +242,61 @@ def stopped(said, signum):
     if said:
         print(f"train.py: {said}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
+
+
+# Retrieval's health, from what DRT.forward(record=[...]) collected: train.py logs it at each evaluation,
+# evaluate.py --ppl prints it per retrieval mode.
+
+def sink_share(q, k_mem, v_mem, idx, w):
+    """The share of GCA's attention on the landmark slot, over queries and heads, each pick weighted by w.
+    With gca_sink that slot is the zero key that reads nothing: near 1, GCA ignores what it retrieved
+    whatever sum w says; without, it is the landmark's own key and value -> (share, sum w) as tensors."""
+    import torch
+    B, N, S, H, D = q.shape
+    b = torch.arange(B, device=q.device)[:, None]
+    share, up = q.new_zeros((), dtype=torch.float32), torch.promote_types(q.dtype, torch.float32)  # fp64 stays
+    for i in range(idx.size(-1)):
+        k = k_mem[b, idx[..., i]].to(up)  # (B, N, S, H, D)
+        att = (torch.einsum("bnshd,bnthd->bnhst", q.to(up), k) / math.sqrt(D)).softmax(-1)  # (B, N, H, S, S)
+        share += (w[..., i, None, None].float() * att[..., -1]).sum() / (S * H)
+    return share, w.float().sum()
+
+
+def compact(records):
+    """DRT's record with each GCA read ("gca", q, k, v, idx, w) reduced to ("sink", share, sum w): all that
+    retrieval_stats needs of it, without holding the read's tensors (a long stream reads gigabytes)."""
+    return [("sink", *sink_share(*r)) if kind == "gca" else (kind, *r) for kind, *r in records]
+
+
+def retrieval_stats(records, K):
+    """DRT's record [("picks", chunk ids (n,), idx, w (B, n, K)), ("gca", q, k_mem, v_mem, idx, w) or its compact
+    ("sink", share, sum w)] -> means over landmarks with an earlier chunk of sum w, max w, entropy of w / sum w
+    (log K: uniform) and distance in chunks, and GCA's attention on the landmark slot weighted by w
+    (sink_share); {} with no retrieval."""
+    import torch
+    sums, maxes, ents, dists, sinks = [], [], [], [], []
+    for kind, *r in compact(records):
+        if kind == "sink":
+            sinks.append(r)
+            continue
+        t, idx, w = r
+        ok = (torch.arange(K, device=w.device) < t.clamp(max=K)[:, None]).expand_as(w)  # eligible picks come first
+        keep = ok[..., 0]  # (B, n): landmarks with something to pick
+        w = w.float() * ok
+        p = w / w.sum(-1, keepdim=True).clamp(min=1e-30)
+        sums.append(w.sum(-1)[keep]), maxes.append(w.amax(-1)[keep])
+        ents.append(-(p * p.clamp(min=1e-30).log()).sum(-1)[keep])
+        dists.append((t[:, None] - idx).float()[ok])
+    if not sums:
+        return {}
+    cat = lambda xs: torch.cat(xs).mean().item()  # noqa: E731
+    stats = {"sum_w": cat(sums), "max_w": cat(maxes), "entropy": cat(ents), "distance": cat(dists)}
+    weight = sum(s[1] for s in sinks)
+    if sinks and weight > 0:
+        stats["sink"] = (sum(s[0] for s in sinks) / weight).item()
+    return stats
+
+
+def sink_label(cfg):
+    """The name retrieval_stats' "sink" is logged under: the landmark slot reads nothing only with gca_sink."""
+    return "sink" if cfg.gca_sink else "landmark slot"

@@ -69,8 +69,8 @@ def tokenizer_or_skip(monkeypatch):
 
 
 def retrievals(record):
-    """DRT.record's retrievals (chunk ids, idx, w), without the upper blocks' ("sink", ...) entries."""
-    return [r for r in record if not isinstance(r[0], str)]
+    """The retrievals (chunk ids, idx, w) of DRT's record, without its GCA reads."""
+    return [r[1:] for r in record if r[0] == "picks"]
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -11,17 +11,15 @@ to each pick separately; the k outputs are mixed with weights from the scores (G
 which carry the next-token loss back to the retriever ("causal retrieval"). Attention per token is
 constant (window + k*S), so the model runs at any length.
 
-Sections in the order of §3: config -> ALiBi -> sliding-window attention -> chunks and the chunk
-encoder -> retrieval -> GCA -> blocks -> the model (its forward is the training path) -> streaming.
+Sections in the order of §3: config -> ALiBi and window attention -> chunks and their encoder ->
+retrieval -> GCA -> blocks -> the model, one pipeline (DRT.run) for training and streaming -> streams.
 
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
     logits, loss = model(idx, targets)       # (B, T) text ids -> (B, T, vocab_size), loss
-    state = model.new_state()                # inference at any length:
+    state = model.new_state()                # inference at any length (sample.generate):
     logits, _ = model(prompt, state=state)   #   prefill (B, 1, vocab_size) ...
     logits, _ = model(next_ids, state=state) #   ... and continue the same stream
-
-    python model.py                          # parameter counts of the default configs
 """
 
 import functools
@@ -60,6 +58,7 @@ def upcast(x):
 
 @dataclass
 class DRTConfig:
+    # the shape
     vocab_size: int = 50304      # GPT-2's 50257 ids + 1 landmark id, padded to a multiple of 64 (fast matmuls)
     landmark_id: int = None      # the id closing every chunk, never an input; None: 50257 if the vocabulary has room, else vocab_size - 1
     n_embd: int = 768            # model width d
@@ -71,15 +70,15 @@ class DRTConfig:
     window: int = 512            # W, self-attention window in positions (landmarks count); a multiple of chunk_size
     topk: int = 8                # K, chunks retrieved per chunk; attention field = W + K*S positions
     mlp_hidden: int = 0          # SwiGLU hidden width; 0 -> 8/3 * n_embd rounded up to a multiple of 64
+    # the paper's switches (Table 4's ablations)
     softmax_off_by_one: bool = True  # Eq. 3 as exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
-    retriever: str = "learned"   # "learned": top-k of Eq. 1; "random": uniform earlier chunks, weighted by Eq. 3 (Table 4's ablation); "none": weights 0
-    ret_dim: int = 0             # >0: Eq. 1 scores (W_q q).(W_k l) with projections of its own per group (RetrievalProjection); 0: q.l as the paper
-    enc_rope: bool = False       # the chunk encoder's positions: RoPE (the release; tells left from right) or, False, a symmetric ALiBi
-    gca_sink: bool = True        # the landmark slot's key/value are zero: a sink each GCA head may attend to, reading nothing (the release); False: the landmark is a key like the others
-    center_memory: bool = False  # GCA's keys/values from the encoder's states minus their chunk's mean, then normalised: what tells the tokens apart at full scale
-    pool_retrieval: str = ""     # Eq. 1 on chunk content: query = chunk t's mean text "states" (last lower layer) or "tokens" (embeddings) minus their mean over chunks 0..t; key l_j = chunk j's mean encoder state, or mean embedding; "": landmark slots (the paper)
-    read_next: bool = False      # GCA reads the chunk after each pick (j+1 <= t, still before the reader t+1), weighted by the pick's score: what followed a similar chunk
+    retriever: str = "learned"   # "learned": top-k of Eq. 1; "random": uniform earlier chunks, weighted by Eq. 3; "none": weights 0
+    # departures from the paper, which config/code_teacher.py sets together: with them GCA learns to copy on code
+    gca_sink: bool = True        # the landmark slot's key/value are zero, a sink GCA's heads may rest on (the release); False: a key like the others
+    center_memory: bool = False  # GCA's keys/values from the encoder's states minus their chunk's mean: what tells the tokens apart
+    read_next: bool = False      # GCA reads the chunk after each pick j (j+1 <= t): the text that followed a chunk like the query
+    pool_tokens: bool = False    # Eq. 1 between chunks' mean token embeddings (the query's centred over the chunks so far), not landmark states
 
     def __post_init__(self):
         self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
@@ -97,9 +96,6 @@ class DRTConfig:
             (self.retriever in ("learned", "random", "none"),
              f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'"),
             (self.n_lower >= 0 and self.n_enc >= 0, "n_lower and n_enc must be >= 0"),
-            (self.ret_dim >= 0, f"ret_dim={self.ret_dim} must be >= 0 (0: Eq. 1 without projections)"),
-            (self.pool_retrieval in ("", "states", "tokens"),
-             f"pool_retrieval={self.pool_retrieval!r} must be '' (the landmark), 'states' or 'tokens'"),
         ]
         bad = [message for ok, message in checks if not ok]
         if bad:
@@ -111,8 +107,7 @@ class DRTConfig:
 
 
 def window_reach(cfg):
-    """How far back the stacked windows see (retrieval alone reaches further); cfg: anything with
-    n_lower, groups and window."""
+    """How far back the stacked windows see (retrieval alone reaches further); cfg: any with their fields."""
     return (cfg.n_lower + sum(cfg.groups)) * cfg.window
 
 
@@ -124,11 +119,13 @@ def skim_margin(cfg):
 
 # -----------------------------------------------------------------------------
 # Positions: ALiBi, bias = -slope * (i - j), from int64 positions: exact at any absolute position.
+# Sliding-window self-attention without a T x T mask: queries in tiles of W, each tile attends to the
+# keys of its own and the previous tile (2W keys) under one shared bias. Memory O(T * W).
 
 
 def alibi_slopes(n_head):
-    """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for a head count that is
-    not a power of two, the power-of-two slopes plus every other slope of the next one."""
+    """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for n not a power of two, the
+    power-of-two slopes plus every other slope of the next one."""
     def geometric(n):
         return [2 ** (-8 * (i + 1) / n) for i in range(n)]
     p = 2 ** int(math.log2(n_head))
@@ -145,28 +142,12 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
     return torch.where(visible, -slopes[:, None, None] * d.clamp(0, window).float(), float("-inf"))
 
 
-def rope(x):
-    """Rotary positions 0 .. L-1 on x (B, H, L, D), inside one chunk (L <= S: exact in any float)."""
-    L, D = x.shape[-2:]
-    inv_freq = 10000 ** -(torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # (D/2,)
-    angle = torch.arange(L, device=x.device, dtype=torch.float32)[:, None] * inv_freq  # (L, D/2)
-    cos, sin = angle.cos(), angle.sin()
-    x1, x2 = upcast(x).chunk(2, -1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
-
-
-# -----------------------------------------------------------------------------
-# Sliding-window self-attention without a T x T mask: queries in tiles of W, each tile attends
-# to the keys of its own and the previous tile (2W keys) under one shared bias. Memory O(T * W).
-
-
 def window_attention(q, k, v, pos0, window, slopes, ring=None):
     """q, k, v (B, H, L, D) at positions pos0 .. pos0+L-1; ring: the layer's KVRing of the W positions
     before (streaming) or None -> (B, H, L, D). FlexAttention on a GPU without a ring, else tiled SDPA."""
     if ring is None and q.is_cuda and flex_attention is not None:
         return flex_window_attention(q, k, v, window, slopes)
-    B, H, L, D = q.shape
-    W, dev = window, q.device
+    (B, H, L, D), W, dev = q.shape, window, q.device
     # tile 0: the first L0 queries see the ring (the previous W positions) and the segment's start
     L0 = min(L, W)
     q_pos = pos0 + torch.arange(L0, device=dev)
@@ -192,8 +173,8 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
     return torch.cat([y, yt], 2)
 
 
-# The same window through FlexAttention (a whole sequence, no ring): a BlockMask built from the
-# band's structure, so only the tiles the window touches are computed, and ALiBi as a score_mod.
+# The same window through FlexAttention (a whole sequence, no ring): a BlockMask built from the band's structure,
+# so only the tiles the window touches are computed, and ALiBi as a score_mod.
 
 FLEX_TILE = 128  # the BlockMask's tile (FlexAttention's BLOCK_SIZE)
 FLEX_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
@@ -270,9 +251,8 @@ def insert_landmarks(idx, cfg, n0=0):
 
 
 class ChunkEncoder(nn.Module):
-    """Bidirectional encoder of finished chunks (§3.1) -> per-token keys/values (one projection for
-    all upper layers) and the landmark vector l. The landmark slot's key/value are zero: a sink
-    (logit 0) for queries that match nothing."""
+    """Bidirectional encoder of finished chunks (§3.1) -> per-token keys/values (one projection for all upper
+    layers) and the landmark vector l, Eq. 1's key."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -280,36 +260,32 @@ class ChunkEncoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
         self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
         self.n_head, self.sink, self.center = cfg.n_head, cfg.gca_sink, cfg.center_memory
-        self.pool = cfg.pool_retrieval == "states"
-        is_landmark = torch.arange(cfg.chunk_size).view(-1, 1, 1, 1) == cfg.chunk_size - 1  # (S, 1, 1, 1)
-        self.register_buffer("is_landmark", is_landmark, persistent=False)
 
-    def forward(self, x, e=None):  # x (B, n, S, C) last-lower-layer states -> kv (B, n, S, 2, H, D), l (B, n, C)
+    def forward(self, x):  # x (B, n, S, C) last-lower-layer states -> kv (B, n, S, 2, H, D), l (B, n, C)
         B, n, S, C = x.shape
         h = self.ln_in(x.reshape(B * n, S, C))
         for block in self.blocks:
             h = block(h)
         h = h.view(B, n, S, C)
-        if e is None:  # e (B, n, C): pool_retrieval="tokens", the chunks' mean embeddings
-            e = h[:, :, :-1].mean(2) if self.pool else h[:, :, -1]
-        l = self.ln_f(e)  # (B, n, C) Eq. 1's key: the landmark, or the chunk's mean
-        if self.center:  # drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
+        l = self.ln_f(h[:, :, -1])  # (B, n, C) the landmark's state
+        if self.center:  # departure: drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
             h = h - h[:, :, :-1].mean(2, keepdim=True)
         kv = self.kv_mem(self.ln_f(h)).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
-        return (kv.masked_fill(self.is_landmark, 0) if self.sink else kv), l
+        if self.sink:  # the landmark slot's key/value zero: a logit-0 sink for queries that match nothing
+            kv = kv.masked_fill(torch.arange(S, device=kv.device).view(-1, 1, 1, 1) == S - 1, 0)  # (S, 1, 1, 1)
+        return kv, l
 
 
 # -----------------------------------------------------------------------------
-# Retrieval (§3.1-3.2). Per group g, the state h_t at chunk t's landmark, as it enters the
-# group, scores every strictly earlier chunk j: r_j = RMSNorm_g(h_t) . l_j / sqrt(d) (Eq. 1).
-# The top-k are picked (of Gumbel-noised scores in training, to explore) and weighted by Eq. 3.
+# Retrieval (§3.1-3.2). Per group g, the state h_t at chunk t's landmark, as it enters the group, scores every
+# strictly earlier chunk j: r_j = RMSNorm_g(h_t) . l_j / sqrt(d) (Eq. 1); top-k (Gumbel-noised in training), Eq. 3.
 
 
 @torch.no_grad()
 def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
-    """Eq. 1: for the query q (B, n, C) of each chunk t in chunk_ids (n,), the k best-scoring chunks
-    j < t, a running top-k over pages of landmarks l_j (consecutive (B, m, C)), never an n x M score
-    matrix -> (idx, eligible) (B, n, k). noise: + Gumbel(0, 1); uniform: random scores."""
+    """Eq. 1: for the query q (B, n, C) of each chunk t in chunk_ids (n,), the k best-scoring chunks j < t, a running
+    top-k over pages of landmarks l_j ((B, m, C) each), never n x M scores -> (idx, eligible) (B, n, k). noise: +
+    Gumbel(0, 1); uniform: random scores."""
     B, n, C = q.shape
     q = upcast(q)
     best_s = q.new_full((B, n, k), float("-inf"))
@@ -334,25 +310,9 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
     return best_i.masked_fill(~eligible, 0), eligible
 
 
-class RetrievalProjection(nn.Module):
-    """ret_dim > 0: Eq. 1 as (W_q q).(W_k l_j) / sqrt(C), W_q, W_k (ret_dim, C) of the group's own. Eq. 1's
-    only parameter is otherwise a norm gain: the retriever's small gradient then moves the lower layers and
-    the encoder, shared with the LM, barely; parameters of its own get a full AdamW step. Returned as the
-    query W_k^T W_q q (B, n, C), which scores raw landmarks: the chunk store and streaming stay as they are.
-    W_q = W_k at init, entries N(0, 1/ret_dim): E[W^T W] = I, so the init scores are Eq. 1's (Johnson-Lindenstrauss)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        w = torch.randn(cfg.ret_dim, cfg.n_embd) / math.sqrt(cfg.ret_dim)
-        self.w_q, self.w_k = nn.Parameter(w.clone()), nn.Parameter(w.clone())
-
-    def forward(self, q):  # q (B, n, C) -> (B, n, C)
-        return (q @ self.w_q.t().to(q.dtype)) @ self.w_k.to(q.dtype)
-
-
 def softmax_off_by_one(r, off_by_one=True):
-    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries get 0. The 1 is
-    a virtual chunk of score 0 and empty output: a group may ignore poor picks. False: plain softmax."""
+    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries get 0. The 1 is a virtual chunk
+    of score 0 and empty output: a group may ignore poor picks. False: plain softmax."""
     m = r.amax(-1, keepdim=True)
     m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
     e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
@@ -369,32 +329,19 @@ def retrieval_weights(q, picked, eligible, cfg):
 
 
 def centred_chunk_means(x, total, count):
-    """pool_retrieval's query input. x (B, n, S, C): states (or embeddings) of the next n finished chunks;
-    total (B, C): the sum of the chunk means before them (count of them), or None -> (B, n, C) each chunk's
-    mean text state minus the mean over all chunks so far, itself included, and the new total. Centred,
-    the query keeps what sets its chunk apart; uncentred, its shared part ranks the same chunks for all."""
+    """pool_tokens' query. x (B, n, S, C): embeddings of the next n finished chunks; total (B, C): the sum of
+    the chunk means before them (count of them), or None -> (B, n, C) each chunk's mean text embedding minus
+    the mean over the chunks so far, itself included (else its shared part ranks the same chunks for all)."""
     m = upcast(x[:, :, :-1].mean(2))  # (B, n, C)
     run = m.cumsum(1) + (0 if total is None else total[:, None])  # (B, n, C) sums over chunks 0..t
     cnt = count + torch.arange(1, m.size(1) + 1, device=m.device, dtype=m.dtype)  # (n,)
     return m - run / cnt[:, None], run[:, -1]
 
 
-def encode_chunks(model, x, e, total, count):
-    """n finished chunks' last-lower-layer states x and embeddings e (B, n, S, C; needed for "tokens") -> the
-    encoder's kv (B, n, S, 2, H, D) and l (B, n, C), pool_retrieval's query inputs (B, n, C) and their running
-    total (see centred_chunk_means), both None when it is off."""
-    cfg = model.config
-    tokens = cfg.pool_retrieval == "tokens"
-    kv, l = model.encoder(x, e[:, :, :-1].mean(2) if tokens else None)
-    if not cfg.pool_retrieval:
-        return kv, l, None, None
-    return kv, l, *centred_chunk_means(e if tokens else x, total, count)
-
-
 def read_one_chunk_later(carried, made, n_chunks):
-    """Causal retrieval (§3.1): chunk c's picks are read by chunk c+1 (chunk c lies in the window).
-    made: (idx, w) (B, n, K) at a segment's n landmarks, or None; carried: (B, 1, K) of the landmark
-    before the segment, None at the start (weight 0) -> (idx, w) (B, n_chunks, K) of its chunks."""
+    """Causal retrieval (§3.1): chunk c's picks are read by chunk c+1 (chunk c lies in the window). made: (idx, w)
+    (B, n, K) at a segment's n landmarks, or None; carried: (B, 1, K) of the landmark before the segment, None at
+    the start (weight 0) -> (idx, w) (B, n_chunks, K) of its chunks."""
     if made is None:  # no landmark here: the segment lies inside one chunk
         return carried
     if carried is None:
@@ -402,40 +349,24 @@ def read_one_chunk_later(carried, made, n_chunks):
     return tuple(torch.cat([before, here], 1)[:, :n_chunks] for before, here in zip(carried, made))
 
 
-def retrieval_stats(records, K):
-    """DRT.record's [(chunk ids (n,), idx, w (B, n, K))] -> means over landmarks with an earlier chunk
-    of sum w, max w, entropy of w / sum w (log K: uniform) and distance in chunks; and from its
-    ("sink", ...) entries GCA's attention on the landmark slot, weighted by w (sink_share)."""
-    sums, maxes, ents, dists = [], [], [], []
-    sinks = [r[1] for r in records if isinstance(r[0], str)]  # UpperBlock's ("sink", (share, sum w)) entries
-    for t, idx, w in (r for r in records if not isinstance(r[0], str)):
-        ok = (torch.arange(K, device=w.device) < t.clamp(max=K)[:, None]).expand_as(w)  # eligible picks come first
-        keep = ok[..., 0]  # (B, n): landmarks with something to pick
-        w = w.float() * ok
-        p = w / w.sum(-1, keepdim=True).clamp(min=1e-30)
-        sums.append(w.sum(-1)[keep]), maxes.append(w.amax(-1)[keep])
-        ents.append(-(p * p.clamp(min=1e-30).log()).sum(-1)[keep])
-        dists.append((t[:, None] - idx).float()[ok])
-    if not sums:
-        return {}
-    cat = lambda xs: torch.cat(xs).mean().item()  # noqa: E731
-    stats = {"sum_w": cat(sums), "max_w": cat(maxes), "entropy": cat(ents), "distance": cat(dists)}
-    weight = sum(s[1] for s in sinks)
-    if sinks and weight > 0:
-        stats["sink"] = (sum(s[0] for s in sinks) / weight).item()
-    return stats
+class RowMemory:
+    """A training row's chunk memory, in the autograd graph: a stream's ChunkStore, with its three reads."""
 
+    def __init__(self, kv, l):
+        self.kv, self.l, self.pages = kv, l, [l]  # (B, n, S, 2, H, D), (B, n, C); pages: for topk_earlier
 
-def sink_label(cfg):
-    """The name retrieval_stats' "sink" is logged under: the landmark slot reads nothing only with gca_sink."""
-    return "sink" if cfg.gca_sink else "landmark slot"
+    def landmarks_at(self, idx):  # l_j of the picks idx (B, n, K) -> (B, n, K, C)
+        return self.l[torch.arange(idx.size(0), device=idx.device)[:, None, None], idx]
+
+    def gather(self, idx):  # GCA's memory: k_mem, v_mem (B, n, S, H, D) and the picks idx into them
+        return *self.kv.unbind(3), idx
 
 
 # -----------------------------------------------------------------------------
 # Grouped cross-attention (Eq. 2). For the S queries of a chunk and its K retrieved chunks:
 #     o = sum_i w_i * softmax(q K_i^T / sqrt(D)) V_i
-# Each retrieved chunk gets its own softmax and w_i scales its whole output, so the loss reaches
-# the retriever (one softmax over all picks, as in chunked cross-attention, would not).
+# Each pick gets its own softmax and w_i scales its whole output, so the loss reaches the retriever (one softmax
+# over all picks, as in chunked cross-attention, would not).
 
 GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA, PyTorch elsewhere; "triton" / "torch" force one
 
@@ -443,8 +374,7 @@ GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA,
 def gca_reference(q, k_mem, v_mem, idx, w):
     """The readable GCA, gca_kernel.flash_gca's signature: q (B, N, S, H, D) of N chunks; k_mem, v_mem
     (B, M, S, H, D); idx (B, N, K) int64 picks in [0, M), their weights w (B, N, K) -> (B, N, S, H, D)."""
-    B, N, S, H, D = q.shape
-    b = torch.arange(B, device=q.device)[:, None]  # (B, 1): batch index for gathering by idx
+    b, D = torch.arange(q.size(0), device=q.device)[:, None], q.size(-1)  # b (B, 1): batch index to gather by idx
     dtype, q = q.dtype, upcast(q)
     o = torch.zeros_like(q)
     for i in range(idx.size(-1)):  # one pick at a time: memory O(output), not O(K * output)
@@ -454,29 +384,13 @@ def gca_reference(q, k_mem, v_mem, idx, w):
     return o.to(dtype)
 
 
-@torch.no_grad()
-def sink_share(q, k_mem, v_mem, idx, w):
-    """The share of GCA's attention on the landmark slot, over queries and heads, each pick weighted by w.
-    With gca_sink that slot is the zero key that reads nothing: near 1, GCA ignores what it retrieved
-    whatever sum w says; without, it is the landmark's own key and value -> (share, sum w) as tensors."""
-    B, N, S, H, D = q.shape
-    b = torch.arange(B, device=q.device)[:, None]
-    share = q.new_zeros((), dtype=torch.float32)
-    for i in range(idx.size(-1)):
-        k = upcast(k_mem[b, idx[..., i]])  # (B, N, S, H, D)
-        att = (torch.einsum("bnshd,bnthd->bnhst", upcast(q), k) / math.sqrt(D)).softmax(-1)  # (B, N, H, S, S)
-        share += (w[..., i, None, None].float() * att[..., -1]).sum() / (S * H)
-    return share, w.float().sum()
-
-
 def gca(q, k_mem, v_mem, idx, w):
     """GCA through the fused Triton kernel where it applies (CUDA, a tile it is built for), else the
     PyTorch reference: the same function either way."""
     if GCA_IMPL == "triton" and gca_kernel is None:
         raise ImportError("DRT_GCA=triton, but gca_kernel (Triton) cannot be imported")
-    fits = (GCA_IMPL != "torch" and gca_kernel is not None and q.is_cuda and k_mem.dtype == v_mem.dtype == q.dtype
-            and gca_kernel.kernel_fits(q.size(2), q.size(4), q.dtype))
-    if GCA_IMPL == "triton" or fits:
+    if GCA_IMPL == "triton" or (GCA_IMPL != "torch" and gca_kernel is not None and q.is_cuda and k_mem.dtype ==
+                                v_mem.dtype == q.dtype and gca_kernel.kernel_fits(q.size(2), q.size(4), q.dtype)):
         return gca_kernel.flash_gca(q, k_mem, v_mem, idx, w, check_idx=False)  # idx comes from topk: always in range
     return gca_reference(q, k_mem, v_mem, idx, w)
 
@@ -512,7 +426,6 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg, causal):
         super().__init__()
         self.causal, self.n_head, self.window = causal, cfg.n_head, cfg.window
-        self.rope = cfg.enc_rope and not causal
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)
@@ -524,8 +437,6 @@ class SelfAttention(nn.Module):
             y = window_attention(q, k, v, pos0, self.window, self.slopes, ring)
             if ring is not None:
                 ring.write(k, v, pos0 + torch.arange(L, device=x.device))
-        elif self.rope:
-            y = F.scaled_dot_product_attention(rope(q), rope(k), v)
         else:
             pos = torch.arange(L, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(pos, pos, self.slopes).to(q.dtype))
@@ -563,11 +474,10 @@ class UpperBlock(Block):
         if mem is None:  # nothing retrievable yet (the first two chunks of a stream)
             return h1 + self.mlp(self.ln_2(h1))
         B, L, C = x.shape
-        q = to_chunks(self.q_proj(self.ln_q(h1)), offset, self.S)  # (B, n_chunks, S, C)
-        q = q.unflatten(-1, (self.n_head, C // self.n_head))  # (B, n_chunks, S, H, D)
+        q = to_chunks(self.q_proj(self.ln_q(h1)), offset, self.S).unflatten(-1, (self.n_head, C // self.n_head))  # (B, n_chunks, S, H, D)
         o = gca(q, *mem)  # (B, n_chunks, S, H, D)
-        if record is not None:
-            record.append(("sink", sink_share(q, *mem)))
+        if record is not None:  # what GCA read with, for the statistics (common.retrieval_stats)
+            record.append(("gca", q.detach(), *(t.detach() for t in mem)))
         o = from_chunks(o.flatten(-2), offset, L)  # (B, L, C)
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
@@ -576,12 +486,12 @@ CE_ROWS = 4096  # rows of logits LinearCrossEntropy holds at a time
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), CE_ROWS rows at a
-    time, never holding the (N, V) logits: x (N, C), weight (V, C), targets (N,) -> a scalar. The
-    forward makes the gradients a backward will use (none under no_grad); the backward scales them."""
+    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), CE_ROWS rows at a time,
+    never the (N, V) logits: x (N, C), weight (V, C), targets (N,) -> a scalar. The forward makes the
+    gradients a backward will use (none under no_grad); the backward scales them."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, grad_enabled):
+    def forward(ctx, x, weight, targets, grad_enabled):  # grad_enabled: torch.is_grad_enabled() outside (inside: off)
         want_dx, want_dw = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         acc = torch.promote_types(weight.dtype, torch.float32)  # sums in fp32 (fp64 in the tests)
         n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
@@ -619,11 +529,6 @@ class LinearCrossEntropy(torch.autograd.Function):
                 None if dw is None else (dw * scale).to(ctx.weight_dtype), None, None)
 
 
-def linear_cross_entropy(x, weight, targets):
-    """LinearCrossEntropy, told whether autograd is on (inside a Function's forward it never is)."""
-    return LinearCrossEntropy.apply(x, weight, targets, torch.is_grad_enabled())
-
-
 # -----------------------------------------------------------------------------
 # The model
 
@@ -636,13 +541,10 @@ class DRT(nn.Module):
         self.lower = nn.ModuleList(Block(cfg) for _ in range(cfg.n_lower))
         self.encoder = ChunkEncoder(cfg) if cfg.groups else None
         self.ret_norm = nn.ModuleList(RMSNorm(cfg.n_embd) for _ in cfg.groups)  # RMSNorm_g of Eq. 1
-        self.ret_proj = nn.ModuleList(RetrievalProjection(cfg) for _ in cfg.groups) if cfg.ret_dim else None
         self.upper = nn.ModuleList(UpperBlock(cfg) for _ in range(cfg.n_upper))
         self.ln_f = RMSNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the 146M of the paper counts them once
-        self.record = None  # a list to collect every retrieval (chunk ids, idx, w) and each upper layer's ("sink", share) into, or None
-        self.hand_picks = None  # f(chunk ids (n,)) -> chunks (n, K) or (B, n, K) to pick instead of Eq. 1's (-1: keep), or None
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, 0.02)
@@ -659,10 +561,8 @@ class DRT(nn.Module):
 
     def check_input(self, idx, targets):
         cfg = self.config
-        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must be a (B, T) integer tensor of token ids, got {tuple(idx.shape)} {idx.dtype}")
-        if idx.size(1) == 0:
-            raise ValueError("idx has T=0 tokens: the model needs at least one token per sequence")
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32) or idx.size(1) == 0:  # T=0: nothing to read
+            raise ValueError(f"idx must be a (B, T) integer tensor of token ids, T >= 1, got {tuple(idx.shape)} {idx.dtype}")
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
         if not torch.compiler.is_compiling():
@@ -672,64 +572,106 @@ class DRT(nn.Module):
                 why = "the landmark id, reserved" if v == cfg.landmark_id else f"outside [0, {cfg.vocab_size})"
                 raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
 
-    def forward(self, idx, targets=None, state=None, return_logits=True):
-        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean
-        cross-entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=False:
-        logits None, the loss never holding (B, T, vocab). state: a StreamState to continue, else training."""
+    def forward(self, idx, targets=None, state=None, return_logits=True, picks=None, record=None):
+        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-
+        entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=False: logits
+        None, the loss never holding (B, T, vocab). state: a StreamState to continue, else one training row.
+        picks (n, K) or (B, n, K): chunks the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a
+        teacher or an oracle. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w)."""
         self.check_input(idx, targets)
-        if state is not None:
-            return self.logits_and_loss(*forward_segment(self, idx, state), idx.size(1), targets, return_logits)
-        cfg, S = self.config, self.config.chunk_size
-        ids, _ = insert_landmarks(idx, cfg)  # (B, L): a landmark closes every S-1 text tokens
-        x = e = self.wte(ids)  # (B, L, C)
-        for block in self.lower:
-            x = block(x)
-        B, L, C = x.shape
-        n, n_chunks = L // S, cdiv(L, S)  # chunks finished (their landmark is in), chunks touched
-        if cfg.groups and n:
-            kv, l, pooled, _ = encode_chunks(self, x[:, : n * S].view(B, n, S, C), e[:, : n * S].view(B, n, S, C), None, 0)
-        chunk_ids = torch.arange(n, device=x.device)  # (n,) the chunk of each landmark
-        b = torch.arange(B, device=x.device)[:, None, None]  # (B, 1, 1) batch index to gather the picks' landmarks
-        upper = iter(self.upper)
-        for g, size in enumerate(cfg.groups):
-            mem = None
-            if n:
-                h = pooled if cfg.pool_retrieval else x[:, S - 1 : n * S : S]  # (B, n, C) the group's input at the landmarks, or the centred means
-                picks, w = self.retrieve(g, h, chunk_ids, [l], lambda picks: l[b, picks])
-                picks, w = read_one_chunk_later(None, (picks, w), n_chunks)  # chunk c+1 reads chunk c's picks
-                if n_chunks > 2:  # chunks 0 and 1 have nothing earlier to read
-                    mem = (*kv.unbind(3), picks, w)
-            for block in itertools.islice(upper, size):
-                x = block(x, mem, record=self.record)  # self-attention, then GCA (Eq. 2) into the MLP
-        return self.logits_and_loss(x, 0, idx.size(1), targets, return_logits)
+        if picks is not None and state is not None:
+            raise ValueError("picks are handed in for a whole row (state=None), not for a stream")
+        x, offset = self.run(idx, state, picks, record)
+        return self.logits_and_loss(x, offset, idx.size(1), targets, return_logits)
 
     @torch.no_grad()
     def skim(self, idx, state):
-        """Stream idx (B, T) into state as memory only: the lower layers and the chunk store, without
-        retrieval and the upper layers. Upper-layer states reach an output from at most skim_margin
-        positions back, so outputs that far past idx's end are those of forward (tested): a long prompt
-        read only at its end (a passkey) need not run the upper layers over all of it."""
+        """Stream idx (B, T) into state as memory only: the lower layers and the chunk store. Upper-layer
+        states reach an output from at most skim_margin positions back, so outputs that far past idx's end
+        are forward's (tested): a long prompt read only at its end need not run the upper layers over it."""
         self.check_input(idx, None)
-        forward_segment(self, idx, state, memory_only=True)
+        self.run(idx, state, memory_only=True)
 
-    def retrieve(self, g, h, chunk_ids, pages, landmarks_at):
-        """Eq. 1 and 3 for group g at the landmark states h (B, n, C) of chunks chunk_ids (n,): pages as
-        in topk_earlier, landmarks_at(picks) -> their l_j -> picks, w (B, n, K)."""
+    def run(self, idx, state=None, picks=None, record=None, memory_only=False):
+        """The pipeline of §3 over idx (B, T): one training row (state None), or the next segment of a stream,
+        continuing and updating state -> the last layer's states (B, L, C) and the offset of the segment in
+        its first chunk. memory_only (skim): the lower layers and the chunk memory alone -> (None, offset)."""
+        cfg, S, G = self.config, self.config.chunk_size, len(self.config.groups)
+        n0, pos0 = (state.n, state.n + state.start_pos) if state else (0, 0)  # positions before idx; the first's
+        ids, offset = insert_landmarks(idx, cfg, n0)  # (B, L): a landmark closes every S-1 text tokens
+        x = e = self.wte(ids)  # (B, L, C)
+        rings = iter(state.rings if state else [None] * (cfg.n_lower + cfg.n_upper))  # lower layers', then upper
+        for block in self.lower:
+            x = block(x, pos0, next(rings))
+        L = x.size(1)
+        n, n_chunks = (offset + L) // S, cdiv(offset + L, S)  # chunks finished here (landmark in), chunks touched
+        memory, pooled = self.remember(x, e, n, state) if G else (None, None)
+        if memory_only:  # the next full segment's first chunk reads no picks: inside the margin
+            state.picks, state.prefetched, state.n = [None] * G, [None] * G, n0 + L
+            return None, offset
+        c0, upper = n0 // S, iter(self.upper)  # the segment touches chunks c0 .. c0 + n_chunks - 1
+        chunk_ids = c0 + torch.arange(n, device=x.device)  # (n,) the chunk of each landmark here
+        for g, size in enumerate(cfg.groups):
+            made, carried, mem = None, state.picks[g] if state else None, None  # carried: picks made before idx
+            if n:  # the group's input at the landmarks (Eq. 1's query), or pool_tokens' centred means
+                h = pooled if cfg.pool_tokens else x[:, S - 1 - offset : n * S - offset : S]  # (B, n, C)
+                made = self.retrieve(g, h, chunk_ids, memory, picks, record)  # (idx, w) (B, n, K)
+            if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read
+                sel, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
+                decoding = n_chunks == 1 and carried is not None  # a stream's picks were gathered last call
+                mem = (*(state.prefetched[g] if decoding else memory.gather(sel)), w)
+            for block in itertools.islice(upper, size):
+                x = block(x, mem, pos0, next(rings), offset, record)  # self-attention, then GCA (Eq. 2)
+            if state and made is not None:  # the last landmark's picks serve the next chunk
+                state.picks[g] = (made[0][:, -1:], made[1][:, -1:].detach())
+                state.prefetched[g] = memory.gather(state.picks[g][0])  # from the host: overlaps the rest
+        if state:
+            state.n = n0 + L
+        return x, offset
+
+    def remember(self, x, e, n, state):
+        """The memory (§3.1): the encoder over the n chunks whose landmark is in x (B, L, C) (a stream's first
+        slots may come from earlier segments; e: the embeddings) -> the memory retrieval reads (RowMemory in
+        training, else the state's ChunkStore) and pool_tokens' queries (B, n, C) (else None)."""
+        cfg, S, pooled = self.config, self.config.chunk_size, None
+        if state:  # the unfinished chunk's slots wait in the state: copies, not views of x
+            x = x if state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, offset + L, C)
+            e = e if state.emb_buf is None else torch.cat([state.emb_buf, e], 1)
+            state.chunk_buf = x[:, n * S :].detach().clone()
+            state.emb_buf = e[:, n * S :].detach().clone() if cfg.pool_tokens else None
+        if not n:
+            return (state.store if state else None), None
+        x = x[:, : n * S].view(x.size(0), n, S, x.size(2))  # (B, n, S, C)
+        if cfg.pool_tokens:
+            e = e[:, : n * S].view(x.shape)
+            mean_e = e[:, :, :-1].mean(2)  # (B, n, C)
+        kv, l = self.encoder(x)  # (B, n, S, 2, H, D), (B, n, C)
+        if cfg.pool_tokens:  # departure: Eq. 1 between mean token embeddings, on both sides
+            l = self.encoder.ln_f(mean_e)
+            pooled, total = centred_chunk_means(e, *((state.pool_total, state.pool_count) if state else (None, 0)))
+            if state:
+                state.pool_total, state.pool_count = total.detach(), state.pool_count + n
+        if not state:
+            return RowMemory(kv, l), pooled
+        state.store.kv.append(kv.detach())  # the store holds no autograd graph
+        state.store.lm.append(l.detach())
+        return state.store, pooled
+
+    def retrieve(self, g, h, chunk_ids, memory, picks=None, record=None):
+        """Eq. 1 and 3 for group g at the states h (B, n, C) of the landmarks of chunks chunk_ids (n,), over
+        memory (RowMemory or ChunkStore); picks: see forward -> idx, w (B, n, K)."""
         cfg = self.config
         q = self.ret_norm[g](h)  # (B, n, C)
-        if self.ret_proj is not None:
-            q = self.ret_proj[g](q)
-        picks, eligible = topk_earlier(q, pages, chunk_ids, cfg.topk, self.training and cfg.gumbel,
-                                       cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
-        if self.hand_picks is not None:  # chunks handed over: sample.py --copying's twins, train.py's teacher_picks
-            given = self.hand_picks(chunk_ids)  # (n, K) or (B, n, K), each < its chunk id, or -1
-            picks, eligible = torch.where(given >= 0, given, picks), eligible | (given >= 0)
-        w = retrieval_weights(q, landmarks_at(picks), eligible, cfg)  # (B, n, K): Eq. 3
-        if self.record is not None:
-            self.record.append((chunk_ids, picks, w.detach()))
-        if cfg.read_next:  # chunk j+1 <= t: finished, and earlier than chunk t+1 that reads it
-            picks = (picks + 1).minimum(chunk_ids[None, :, None])
-        return picks, w
+        idx, eligible = topk_earlier(q, memory.pages, chunk_ids, cfg.topk, self.training and cfg.gumbel,
+                                     cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
+        if picks is not None:  # handed in: each < its chunk id, or -1
+            idx, eligible = torch.where(picks >= 0, picks, idx), eligible | (picks >= 0)
+        w = retrieval_weights(q, memory.landmarks_at(idx), eligible, cfg)  # (B, n, K): Eq. 3
+        if record is not None:
+            record.append(("picks", chunk_ids, idx, w.detach()))
+        if cfg.read_next:  # departure: chunk j+1 <= t, finished, and earlier than chunk t+1 that reads it
+            idx = (idx + 1).minimum(chunk_ids[None, :, None])
+        return idx, w
 
     def logits_and_loss(self, x, offset, T, targets, return_logits):
         """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions."""
@@ -738,7 +680,7 @@ class DRT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, -1:]), None
         if not return_logits:
-            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
         logits = self.lm_head(x)
         return logits, F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
@@ -749,44 +691,12 @@ class DRT(nn.Module):
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
-    def flops_per_token(self):
-        """Training FLOPs (forward + backward = 3x forward) per text token, counting matmuls:
-        2 per weight per position, attention 4*keys*C per position and layer."""
-        cfg, C, S = self.config, self.config.n_embd, self.config.chunk_size
-        per_pos = 2 * (self.num_params() - self.wte.weight.numel())  # every matrix but the embedding runs per position
-        per_pos += 4 * C * cfg.window * (cfg.n_lower + cfg.n_upper)  # sliding-window attention
-        per_pos += 4 * C * S * cfg.n_enc  # chunk encoder attention
-        per_pos += 4 * C * S * cfg.topk * cfg.n_upper  # GCA over K chunks of S
-        lm_head = 2 * self.wte.weight.numel()  # once per text token
-        return 3 * (per_pos * S / (S - 1) + lm_head)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
-        """Continue idx (B, T) by max_new_tokens through a stream (§3.2): the prompt prefilled in
-        segments of prefill_segment tokens, then one token per step -> (B, max_new_tokens) new ids."""
-        state = state if state is not None else self.new_state()
-        for s in range(0, idx.size(1), prefill_segment):
-            logits, _ = self(idx[:, s : s + prefill_segment], state=state)
-        out = []
-        for _ in range(max_new_tokens):
-            logits = logits[:, -1, : self.config.landmark_id].float()  # never sample the landmark or padding ids
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = float("-inf")
-                nxt = torch.multinomial(F.softmax(logits, -1), 1)
-            out.append(nxt)
-            logits, _ = self(nxt, state=state)
-        return torch.cat(out, 1)
 
 
 # -----------------------------------------------------------------------------
-# Streaming (§3.2): a stream run segment by segment (prefills, then token by token) computes what
-# one forward over it would. Each self-attention layer keeps its last W keys/values (a ring); the
-# encoded chunks go into a store (keys/values on the host with offload=True); picks carry over.
+# Streaming (§3.2): a stream run segment by segment (prefills, then token by token) computes what one forward would.
+# Each self-attention layer keeps its last W keys/values (a ring); encoded chunks go into a store (its keys/values on
+# the host with offload=True); picks carry over.
 
 
 class KVRing:
@@ -810,8 +720,8 @@ class KVRing:
 
 
 class PagedTensor:
-    """A (B, n, ...) tensor growing along dim 1 without copying what it holds: pages that double
-    from `first` rows up to `cap`, on `device` (pinned host memory for 'cpu' when CUDA is there)."""
+    """A (B, n, ...) tensor growing along dim 1 without copying what it holds: pages that double from `first` rows
+    up to `cap`, on `device` (pinned host memory for 'cpu' when CUDA is there)."""
 
     def __init__(self, first, cap, device):
         self.first, self.cap, self.device = first, cap, torch.device(device)
@@ -845,24 +755,25 @@ class PagedTensor:
 
 
 class ChunkStore:
-    """A stream's encoded chunks, paged: keys/values kv (B, M, S, 2, H, D), landmarks (B, M, C).
-    offload=True keeps the keys/values in host memory and moves only the picked chunks to the
-    device: GPU memory grows by the landmarks alone (§3.2)."""
+    """A stream's encoded chunks, paged: keys/values kv (B, M, S, 2, H, D), landmarks (B, M, C). offload=True keeps
+    the keys/values in host memory and moves only the picked chunks to the device: GPU memory grows by the landmarks."""
 
-    LM_PAGES = (256, 65536)  # landmark pages: rows of the first page, rows of the largest
-    KV_PAGES = (64, 16384)  # key/value pages: the same
+    LM_PAGES, KV_PAGES = (256, 65536), (64, 16384)  # rows of the first page and of the largest: landmarks, keys/values
 
     def __init__(self, device, offload=False):
         self.kv = PagedTensor(*self.KV_PAGES, "cpu" if offload else device)
         self.lm = PagedTensor(*self.LM_PAGES, device)
 
+    @property
+    def pages(self):  # the landmarks for topk_earlier, page by page
+        return self.lm.views()
+
     def landmarks_at(self, idx):  # l_j of the picks idx (B, n, K) -> (B, n, K, C)
         uniq, inv = torch.unique(idx, return_inverse=True)
         return self.lm.take(uniq)[torch.arange(idx.size(0), device=idx.device)[:, None, None], inv]
 
-    def gather(self, idx):
-        """The picks idx (B, n, K) for GCA, on idx's device: k_mem, v_mem (B, U, S, H, D) of the U
-        distinct picks and idx' (B, n, K) into them; from the host, copied in without blocking."""
+    def gather(self, idx):  # GCA's memory, on idx's device: k_mem, v_mem (B, U, S, H, D) of the U distinct picks, idx into them
+        """From the host, copied in without blocking."""
         uniq, inv = torch.unique(idx.to(self.kv.device), return_inverse=True)  # (U,); .cpu() waits for append's copies
         kv = self.kv.take(uniq).to(idx.device, non_blocking=True)  # (B, U, S, 2, H, D)
         return *kv.unbind(3), inv.to(idx.device)
@@ -873,74 +784,17 @@ class ChunkStore:
 
 
 class StreamState:
-    """A stream in progress: made by DRT.new_state, passed to each of its forwards (prompts in one
-    batch share their length). Detached tensors only, so memory stays O(W + chunks)."""
+    """A stream in progress: made by DRT.new_state, passed to each of its forwards (prompts in one batch share their
+    length). Detached tensors only, so memory stays O(W + chunks)."""
 
     def __init__(self, cfg, device, offload=False, start_pos=0):
         self.n = 0  # positions processed so far, landmarks included; chunk c holds n in [cS, cS+S)
         self.start_pos = start_pos  # absolute position of the first slot: ALiBi uses only differences
         self.rings = [KVRing(cfg.window) for _ in range(cfg.n_lower + cfg.n_upper)]
         self.chunk_buf = None  # (B, n % S, C) last-lower-layer states of the unfinished chunk
-        self.emb_buf = None  # (B, n % S, C) pool_retrieval="tokens": its embeddings
+        self.emb_buf = None  # (B, n % S, C) pool_tokens: its embeddings
         self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
-        self.pool_total, self.pool_count = None, 0  # pool_retrieval: (B, C) sum of the finished chunks' means, their number
+        self.pool_total, self.pool_count = None, 0  # pool_tokens: (B, C) sum of the finished chunks' means, their number
 
-
-def forward_segment(model, idx, state, memory_only=False):
-    """DRT.forward's steps for the next segment idx (B, T) of a stream, continuing and updating
-    state -> the last layer's states (B, L, C) and the segment's offset in its first chunk.
-    memory_only (DRT.skim): the chunk store and lower rings alone -> (None, offset)."""
-    cfg, S, store = model.config, model.config.chunk_size, state.store
-    pos0 = state.n + state.start_pos  # absolute position of the segment's first slot
-    ids, offset = insert_landmarks(idx, cfg, state.n)  # (B, L)
-    x = e = model.wte(ids)  # (B, L, C)
-    for block, ring in zip(model.lower, state.rings):
-        x = block(x, pos0, ring)
-    B, L, C = x.shape
-    n, n_chunks = (offset + L) // S, cdiv(offset + L, S)  # chunks finished here (landmark in), chunks touched
-    if cfg.groups:  # a finished chunk's first slots may come from earlier segments
-        pending = x if state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, offset + L, C)
-        tokens = cfg.pool_retrieval == "tokens"  # then the embeddings are pending too
-        pend_e = e if not tokens or state.emb_buf is None else torch.cat([state.emb_buf, e], 1)  # (B, offset + L, C)
-        if n:
-            kv, l, pooled, total = encode_chunks(model, pending[:, : n * S].view(B, n, S, C),
-                                                 pend_e[:, : n * S].view(B, n, S, C) if tokens else None,
-                                                 state.pool_total, state.pool_count)  # (B, n, S, 2, H, D), (B, n, C)
-            store.kv.append(kv.detach())  # the store holds no autograd graph
-            store.lm.append(l.detach())
-            if cfg.pool_retrieval:
-                state.pool_total, state.pool_count = total.detach(), state.pool_count + n
-        state.chunk_buf = pending[:, n * S :].detach().clone()  # a copy: a view would keep the segment alive
-        if tokens:
-            state.emb_buf = pend_e[:, n * S :].detach().clone()
-    if memory_only:  # the next full segment's first chunk reads no picks: inside the margin
-        state.picks, state.prefetched, state.n = [None] * len(cfg.groups), [None] * len(cfg.groups), state.n + L
-        return None, offset
-    c0 = state.n // S  # the segment touches chunks c0 .. c0 + n_chunks - 1
-    chunk_ids = c0 + torch.arange(n, device=x.device)  # (n,) the chunk of each landmark here
-    upper, rings = iter(model.upper), iter(state.rings[cfg.n_lower :])
-    for g, size in enumerate(cfg.groups):
-        made = None
-        if n:
-            h = pooled if cfg.pool_retrieval else to_chunks(x, offset, S)[:, :n, S - 1]  # (B, n, C) as in DRT.forward
-            made = model.retrieve(g, h, chunk_ids, store.lm.views(), store.landmarks_at)
-        mem = None
-        carried = state.picks[g]  # None at the start and after DRT.skim
-        if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read
-            picks, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
-            mem = (*(state.prefetched[g] if n_chunks == 1 and carried is not None else store.gather(picks)), w)
-        for block in itertools.islice(upper, size):
-            x = block(x, mem, pos0, next(rings), offset, model.record)
-        if made is not None:  # the last landmark's picks serve the next segment's first chunk
-            state.picks[g] = (made[0][:, -1:], made[1][:, -1:].detach())
-            state.prefetched[g] = store.gather(state.picks[g][0])  # from the host, the copy overlaps the call's rest
-    state.n += L
-    return x, offset
-
-
-if __name__ == "__main__":
-    for name, cfg in [("DRT x1 (146M)", DRTConfig()), ("DRT x2", DRTConfig(groups=(3, 3))),
-                      ("sliding-window baseline", DRTConfig(n_lower=12, groups=()))]:
-        print(f"{name:28s} {DRT(cfg).num_params() / 1e6:8.2f}M parameters")

@@ -6,19 +6,16 @@ Generate text from a trained DRT, or test it on long-context tasks at any length
     python sample.py --out_dir=out-passkey --passkey                       # 4K ... 1M tokens
     python sample.py --out_dir=out-passkey --passkey --lengths=64K,1M,16M --offload --samples_per_length=5
     python sample.py --out_dir=out-passkey --multikey --vartrack --haystack=data/pg19/val.bin
-    python sample.py --out_dir=out-passkey-pretrain --copying --haystack=data/pg19/val.bin  # does it copy?
-    python sample.py --out_dir=out-lm --ppl --docs=data/pg19/test.bin --retrieval=learned,none,random
-    python sample.py --out_dir=out-lm --inspect --docs=data/pg19/test.bin --at=200000
 
 The checkpoint (out_dir/ckpt.pt from train.py) carries the model's config: no architecture flags.
 Prompts of any length are prefilled in segments, then decoded with O(W) self-attention caches
 (§3.2 of the paper); --offload keeps the chunk memory in host memory and brings only the retrieved
-chunks to the GPU. Every argument is checked before the checkpoint loads.
+chunks to the GPU. Every argument is checked before the model is built. Perplexity by position,
+the picks and in-context copying: evaluate.py.
 """
 
 import argparse
-import json
-import math
+import dataclasses
 import os
 import random
 import re
@@ -32,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import common
-from common import EOT, GPT2_VOCAB, fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
-from model import DRT, DRTConfig, retrieval_stats, sink_label, skim_margin, window_reach
+from common import fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
+from model import DRT, DRTConfig, skim_margin, window_reach
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, in_reach, key_owner, make_example
 from tasks import min_length, needle_picks, needles_and_question, score, wilson
 
@@ -46,25 +43,31 @@ def error(msg):
     raise SystemExit(f"sample.py: error: {msg}")
 
 
-def load_model(path, device):
-    """train.py's DRT at path (a ckpt.pt or its out_dir), in eval mode -> (model, checkpoint)."""
+def read_checkpoint(path):
+    """train.py's checkpoint at path (a ckpt.pt or its out_dir), its tensors mapped, not read -> (checkpoint,
+    its DRTConfig), or a one-line CheckpointError."""
     path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
-        error(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
+        raise common.CheckpointError(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
+    ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
     try:
-        ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
-        model = DRT(DRTConfig(**ckpt["model_args"]))
-    except common.CheckpointError as e:
-        error(e)
+        return ckpt, DRTConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
-        error(f"the config stored in {path} does not build a DRT: {e}")
+        raise common.CheckpointError(f"the config stored in {path} does not build a DRT: {e}") from None
+
+
+def build_model(ckpt, device, retriever=None):
+    """The checkpoint's DRT in eval mode on device; retriever: another retrieval mode than the one trained
+    (Table 4's ablations: learned, random, none), the same weights."""
+    cfg = DRTConfig(**ckpt["model_args"])
+    model = DRT(dataclasses.replace(cfg, retriever=retriever or cfg.retriever))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # torch names each mismatch on a line of its own: the first three, on one
         detail = textwrap.shorten("; ".join(line.strip(" \t.") for line in str(e).splitlines()[1:4]), 600)
-        error(f"the weights in {path} do not fit the config stored with them ({model.config}): {detail}. "
-              f"Was the checkpoint written by another version of model.py?")
-    return model.to(device).eval(), ckpt
+        raise common.CheckpointError(f"the checkpoint's weights do not fit the config stored with them ({cfg}): "
+                                     f"{detail}. Was it written by another version of model.py?") from None
+    return model.to(device).eval()
 
 
 def read_prompt(prompt):
@@ -85,13 +88,36 @@ def as_batch(model, ids):
     return torch.as_tensor(np.asarray(ids), dtype=torch.long, device=next(model.parameters()).device)[None]
 
 
-def generate(model, enc, prompt, args, ctx):
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
+    """Continue idx (B, T) by max_new_tokens through a stream (§3.2): the prompt prefilled in segments of
+    prefill_segment tokens, then one token per step -> (B, max_new_tokens) new ids."""
+    state = state if state is not None else model.new_state()
+    for s in range(0, idx.size(1), prefill_segment):
+        logits, _ = model(idx[:, s : s + prefill_segment], state=state)
+    out = []
+    for _ in range(max_new_tokens):
+        logits = logits[:, -1, : model.config.landmark_id].float()  # never sample the landmark or padding ids
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = float("-inf")
+            nxt = torch.multinomial(F.softmax(logits, -1), 1)
+        out.append(nxt)
+        logits, _ = model(nxt, state=state)
+    return torch.cat(out, 1)
+
+
+def print_samples(model, enc, prompt, args, ctx):
     """Print --num_samples continuations, each after the prompt's last 500 characters."""
     x = as_batch(model, enc.encode_ordinary(prompt) or [enc.eot_token])  # (1, T)
     for _ in range(args.num_samples):
         with ctx:
-            y = model.generate(x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
-                               state=model.new_state(offload=args.offload), prefill_segment=args.segment)
+            y = generate(model, x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
+                         state=model.new_state(offload=args.offload), prefill_segment=args.segment)
         print(prompt[-500:] + enc.decode(y[0].tolist()))
         print("-" * 40, flush=True)
 
@@ -120,16 +146,19 @@ class Progress:
                   f"ETA {fmt_time(dt * (self.total - done) / max(done, 1))}", flush=True)
 
 
-def prefill(model, ids, state, segment, progress=None, skim=None):
+def prefill(model, ids, state, segment, progress=None, skim=None, record=None):
     """Stream ids into the state, `segment` tokens a call; skim: a margin in tokens, or None. Segments that end
-    at least that far before ids' end go through DRT.skim (memory only): only what follows is read."""
+    at least that far before ids' end go through DRT.skim (memory only): only what follows is read. record: a
+    list for DRT's record, each segment's GCA reads reduced at once (common.compact)."""
     x = as_batch(model, ids)
     for s in range(0, x.size(1), segment):
         part = x[:, s : s + segment]
         if skim is not None and s + part.size(1) <= x.size(1) - skim:
             model.skim(part, state)
         else:
-            model(part, state=state)
+            seen = None if record is None else []
+            model(part, state=state, record=seen)
+            record is None or record.extend(common.compact(seen))
         if progress:
             progress(min(s + segment, x.size(1)))
 
@@ -141,7 +170,7 @@ def answer_prompt(model, prompt, n, state, segment, progress=None):
     cfg = model.config
     prefill(model, prompt[:-1], state, segment, progress, skim_margin(cfg))
     picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
-    out = model.generate(as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
+    out = generate(model, as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
     return out[0].tolist(), picks
 
 
@@ -162,13 +191,13 @@ def prompt_seed(seed, task, L, i):
     return f"{seed}-{task}-{L}-{i}"
 
 
-def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
-    """Refuse a length past MAX_LENGTH or too short for run_task's prompts, naming the shortest that works;
-    without cfg (before the checkpoint loads) prompts are not cut to its chunks."""
+def check_lengths(tasks, lengths, args, enc, cfg, depth=None):
+    """Refuse a length past MAX_LENGTH or too short for run_task's prompts as cut to cfg's chunks, naming the
+    shortest that works."""
     if max(lengths) > MAX_LENGTH:
         error(f"--lengths: {fmt_len(max(lengths))} tokens is past the {fmt_len(MAX_LENGTH)} this harness "
               f"supports: use lengths up to {fmt_len(MAX_LENGTH)}")
-    align = None if cfg is None or args.no_align else cfg.chunk_size - 1
+    align = None if args.no_align else cfg.chunk_size - 1
     kw = prompt_kwargs(args, cfg, depth)
     for task in tasks:
         # the longest of 64 probes: whether a length passes must not hang on the luck of its own seeds
@@ -183,9 +212,9 @@ def check_lengths(tasks, lengths, args, enc, cfg=None, depth=None):
                       f"use lengths of at least {shortest}")
 
 
-def check_memory(model, L, args):
+def check_memory(cfg, L, args):
     """Refuse a length whose chunk memory (2*d*bytes per text token x S/(S-1)) cannot fit, before it runs for hours."""
-    cfg, device = model.config, next(model.parameters()).device
+    device = torch.device(args.device)
     size = 2 if device.type == "cuda" and args.dtype != "float32" else 4  # autocast on CUDA alone
     if why := common.stream_memory_error(L, cfg.n_embd, cfg.chunk_size, device, args.offload, size):
         error(f"--lengths: {why}")
@@ -245,270 +274,8 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
               f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
 
 
-# In-context copying (--copying): is a span predicted better once seen, near and past the reach?
-
-def copy_span(cfg):
-    """Tokens per near span: 100, or fewer, so that each repeat lies in the window (W*(S-1)/S tokens)."""
-    return min(100, cfg.window * (cfg.chunk_size - 1) // cfg.chunk_size - 1)
-
-
-def copy_far_span(cfg):
-    """Tokens per far span, as train.py's far copy rows: past the windows' reach, landmarks taking room too."""
-    return window_reach(cfg) + 8
-
-
-def pass_losses(model, span, passes, ctx, name, only=None):
-    """span (n, k) seen `passes` times in a row -> the mean loss on each pass (or on pass `only` alone)."""
-    x = torch.from_numpy(np.tile(span, passes)).to(next(model.parameters()).device)  # (n, passes * k)
-    k, out = span.shape[1], []
-    runs = range(0, passes * k, k) if only is None else [only * k]
-    progress = Progress(f"{name}, {k}-token spans", len(runs), "passes")
-    for s in runs:  # one pass's targets at a time: never (n, passes * k, vocab) logits
-        y = torch.full_like(x[:, 1:], -1)
-        y[:, s : s + k - 1] = x[:, s + 1 : s + k]
-        with ctx:
-            out.append(model(x[:, :-1], y, return_logits=False)[1].item())
-        progress(len(out))
-    return out
-
-
-def twin_picks(k, S, K, read_next=False):
-    """For a span of k tokens read twice: chunk c's landmark picks, for chunk c+1 of the second reading,
-    the two chunks of the first reading that hold its text (an oracle retriever; read_next: the chunks
-    before them, which GCA then reads the successors of) -> f(chunk ids (n,)) -> (n, K), -1 where there
-    is no twin yet (DRT.hand_picks)."""
-    T = S - 1  # text tokens per chunk
-
-    def picks(chunk_ids):
-        first = (T * (chunk_ids + 1) - k) // T - int(read_next)  # the first reading's chunk of chunk c+1's first token
-        ok = (T * (chunk_ids + 1) >= k) & (first + 1 < chunk_ids) & (first >= 0)  # in the second reading, strictly earlier
-        twins = first[:, None] + torch.arange(K, device=chunk_ids.device) % 2  # (n, K): first, first+1, first, ...
-        return torch.where(ok[:, None], twins, -1)
-    return picks
-
-
-@torch.no_grad()
-def copy_test(model, args, ctx, haystack=None):
-    """The mean loss on each pass of spans seen 3 times in a row in the window, and of spans past the windows'
-    reach seen twice, whose copy must come through retrieval and GCA; `twins`: far 2 again with the right
-    chunks handed to GCA (none without retrieval) -> {span kind: [pass 1-3, far 1-2, twins]}."""
-    cfg, n, rng = model.config, args.samples, random.Random(f"{args.seed}-copying")
-    L, L_far = copy_span(cfg), copy_far_span(cfg)
-    kinds = {"random tokens": lambda k: np.array([[rng.randrange(GPT2_VOCAB) for _ in range(k)] for _ in range(n)])}
-    if haystack is not None:
-        kinds["haystack text"] = lambda k: np.stack([haystack.sample(k, rng) for _ in range(n)])  # (n, k)
-    print(f"\ncopying, retrieval {cfg.retriever}: {n} spans of {L} tokens, each seen 3 times in a row "
-          f"(pass 1-3), and {n} spans of {L_far} tokens seen twice (far 1-2: past the windows' reach; twins: "
-          f"far 2 with each chunk reading the first reading's chunks that hold its text, which tells the "
-          f"read path from the retriever); mean loss per pass (without a pass's first token, which no earlier "
-          f"occurrence predicts)")
-    header = f"{'span':>14} {'pass 1':>8} {'pass 2':>8} {'pass 3':>8} {'far 1':>8} {'far 2':>8} {'twins':>8}"
-    print(header + "\n" + "-" * len(header))
-    losses = {}
-    for name, rows in kinds.items():
-        far = rows(L_far)
-        losses[name] = pass_losses(model, rows(L), 3, ctx, name) + pass_losses(model, far, 2, ctx, name)
-        twins = float("nan")
-        if cfg.groups:
-            model.hand_picks = twin_picks(L_far, cfg.chunk_size, cfg.topk, cfg.read_next)
-            try:
-                twins = pass_losses(model, far, 2, ctx, f"{name} (twins)", only=1)[0]
-            finally:
-                model.hand_picks = None
-        losses[name].append(twins)
-        print(f"{name:>14} " + " ".join(f"{'-':>8}" if math.isnan(v) else f"{v:>8.2f}" for v in losses[name]), flush=True)
-    return losses
-
-
-# Long documents (--ppl, --inspect)
-
-BUCKETS = [0, 2**10, 2**12, 2**14, 2**16, 2**18, 2**20]  # position buckets 0-1K, 1K-4K, ..., 256K-1M, 1M+
-PPL_SEGMENT = 4096  # --ppl holds one segment's (segment, vocab) logits at a time: on a CPU 16,384 took a 33M
-# model 11.5 GB and 46 s for 32K tokens, 4,096 took 3.6 GB and 26 s; on an H200 4,096 costs ~6% in time
-
-
-def book_names(path):
-    """The ids of a .bin's books (a PG19 number, a code directory) from the meta.json beside it, else []."""
-    try:
-        with open(os.path.join(os.path.dirname(path), "meta.json")) as f:
-            splits = json.load(f)["splits"].values()
-        return next([str(o[0]) for o in m["offsets"]] for m in splits if m["file"] == os.path.basename(path))
-    except (OSError, ValueError, KeyError, StopIteration):
-        return []
-
-
-def read_docs(path, enc, max_tokens=None):
-    """--docs (a folder of .txt, one .txt, or a .bin cut at its <|endoftext|>) -> [(name, ids)], at most max_tokens."""
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
-        if not files:
-            error(f"--docs {path}: no .txt files in that folder")
-    elif os.path.isfile(path) and path.endswith((".txt", ".bin")):
-        files = [path]
-    else:
-        error(f"--docs {path}: expected a folder of .txt files, a .txt file, or a .bin from prepare_pg19.py")
-    docs = []
-    for f in files:
-        if f.endswith(".bin"):
-            ids = np.fromfile(f, dtype=np.uint16).astype(np.int64)
-            books = np.split(ids, np.flatnonzero(ids == EOT) + 1)  # each book ends with its <|endoftext|>
-            names = book_names(f) + [""]  # the empty piece after the last <|endoftext|>
-            if len(names) != len(books):  # no meta.json beside it, or not this file's
-                names = [f"{os.path.basename(f)}#{i}" for i in range(len(books))]
-            docs += [(name, book[book != EOT]) for name, book in zip(names, books)]
-        else:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                docs.append((os.path.basename(f), np.array(enc.encode_ordinary(fh.read()), dtype=np.int64)))
-    docs = [(name, d[:max_tokens]) for name, d in docs if len(d) >= 2]
-    if not docs:
-        error(f"--docs {path}: no document of 2 tokens or more")
-    return docs
-
-
-@torch.no_grad()
-def doc_nll(model, ids, args, ctx, name="document"):
-    """Every token's loss, the document streamed from its start -> (len(ids) - 1,), nll[i] = -log p(ids[i+1])."""
-    x = as_batch(model, ids)  # (1, n)
-    state, seg, nll = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), []
-    progress = Progress(name, x.size(1) - 1)
-    for s in range(0, x.size(1) - 1, seg):
-        y = x[:, s + 1 : s + seg + 1]  # (1, L) the next tokens
-        with ctx:
-            logits, _ = model(x[:, s : s + y.size(1)], y, state=state)  # (1, L, V)
-        nll.append(F.cross_entropy(logits[0].float(), y[0], reduction="none"))
-        progress(s + y.size(1))
-    return torch.cat(nll).cpu()
-
-
-def perplexity(model, docs, modes, args, ctx):
-    """--ppl: perplexity by position, a column per retrieval mode -> {mode: [(tokens, mean loss) per bucket, all]}."""
-    cfg = model.config
-    print(f"\nperplexity by position: {len(docs)} document(s), {sum(len(d) - 1 for _, d in docs):,} tokens, each "
-          f"streamed from its first token in segments of {min(args.segment, PPL_SEGMENT):,}")
-    table, stats, curves = {}, {}, {}
-    for mode in modes:
-        cfg.retriever, model.record = mode, []
-        sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
-        fine = torch.zeros(2, 4 * 40, dtype=torch.float64)  # --plot: loss sum and count in quarter octaves of position
-        for name, ids in docs:
-            nll = doc_nll(model, ids, args, ctx, name).double()
-            pos = torch.arange(1, len(ids))  # the predicted token's position
-            bucket = torch.bucketize(pos, torch.tensor(BUCKETS), right=True) - 1
-            sums.index_add_(0, bucket, nll)
-            counts += torch.bincount(bucket, minlength=len(BUCKETS))
-            quarter = (4 * pos.double().log2()).long()
-            fine[0].index_add_(0, quarter, nll), fine[1].index_add_(0, quarter, torch.ones_like(nll))
-        curves[mode] = fine
-        table[mode] = ([(int(n), (sm / n).item() if n else float("nan")) for sm, n in zip(sums, counts)]
-                       + [(int(counts.sum()), (sums.sum() / counts.sum()).item())])
-        stats[mode] = retrieval_stats(model.record, cfg.topk)
-    model.record = None
-    names = [f"{fmt_len(a)}-{fmt_len(b)}" for a, b in zip(BUCKETS, BUCKETS[1:])] + [f"{fmt_len(BUCKETS[-1])}+", "all"]
-    header = f"{'positions':>10} {'tokens':>10} " + " ".join(f"{'ppl ' + m:>12}" for m in modes)
-    print(header + "\n" + "-" * len(header))
-    for b, bucket in enumerate(names):
-        if (n := table[modes[0]][b][0]):
-            print(f"{bucket:>10} {n:>10,} " + " ".join(f"{math.exp(table[m][b][1]):>12.2f}" for m in modes))
-    for m, st in stats.items():
-        if st and m != "none":  # none: every weight 0, nothing retrieved to describe
-            print(f"retrieval {m}: sum w {st['sum_w']:.3f}, max w {st['max_w']:.3f}, entropy of w {st['entropy']:.2f} "
-                  f"(uniform over the picks: {math.log(cfg.topk):.2f}), mean distance {st['distance']:.1f} chunks"
-                  + (f", {sink_label(cfg)} {st['sink']:.2f}" if "sink" in st else ""))
-    if getattr(args, "plot", None):
-        plot_ppl(curves, cfg, args.plot, f"{len(docs)} document(s) of {args.docs}")
-    return table
-
-
-def pyplot():
-    """matplotlib's pyplot, imported only for --plot (an optional requirement), drawing to files alone."""
-    try:
-        import matplotlib
-    except ImportError:
-        error("--plot needs matplotlib, an optional requirement: pip install matplotlib")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def save(fig, path):
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot().close(fig)
-    print(f"wrote {path}")
-
-
-def plot_ppl(curves, cfg, path, what):
-    """--ppl --plot: perplexity against position (log scale), a curve per retrieval mode, the windows' reach marked."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for mode, (sums, counts) in curves.items():
-        x, y, first, total, n = [], [], 0, 0.0, 0
-        for b in range(len(counts)):  # quarter octaves merged until a point averages 256 tokens: no noise at the start
-            total, n = total + sums[b].item(), n + counts[b].item()
-            if n >= 256 or (b == len(counts) - 1 and n):
-                x.append(2 ** ((first + b + 1) / 8))  # the merged range's middle, on the log scale
-                y.append(math.exp(total / n))
-                first, total, n = b + 1, 0.0, 0
-        ax.plot(x, y, label=f"retrieval {mode}")
-    ax.axvline(window_reach(cfg), color="gray", ls=":", label="the windows' reach")
-    ax.set(xscale="log", yscale="log", xlabel="position in the document (tokens)", ylabel="perplexity", title=what)
-    ax.legend()
-    save(fig, path)
-
-
-def plot_picks(records, cfg, path, what):
-    """--inspect --plot: for every landmark of the stream (x), the chunks each group picked (y: how far back),
-    coloured by their weight (Eq. 3), the windows' reach marked."""
-    plt = pyplot()
-    G = len(cfg.groups)
-    fig, axes = plt.subplots(1, G, figsize=(6.4 * G, 3.6), squeeze=False)
-    for g, ax in enumerate(axes[0]):
-        t, idx, w = (torch.cat(parts, min(i, 1)) for i, parts in enumerate(zip(*records[g::G])))  # (n,), (1, n, K) x 2
-        back = (t[None, :, None] - idx).float()  # picks made at landmark t, read by chunk t+1
-        keep = (w > 0) & (back > 0)
-        dots = ax.scatter(t[None, :, None].expand_as(idx)[keep], back[keep], c=w[keep].float(), s=4, cmap="viridis", vmin=0)
-        ax.axhline(window_reach(cfg) / cfg.chunk_size, color="gray", ls=":", label="the windows' reach")
-        ax.set(yscale="log", xlabel="landmark (chunk)", ylabel="picked chunk: chunks back", title=f"{what}, group {g}")
-        ax.legend(loc="upper left")
-        fig.colorbar(dots, ax=ax, label="weight w")
-    save(fig, path)
-
-
-@torch.no_grad()
-def inspect(model, enc, docs, at, args, ctx):
-    """--inspect (§4.4's case studies): the chunks each group retrieved, at the landmark before it, for the chunk
-    holding token `at` of the first document -> [(group, [(chunk GCA reads, w)] by w)]."""
-    name, ids = docs[0]
-    T = model.config.chunk_size - 1
-    if at >= len(ids):
-        error(f"--at={at}: the first document, {name}, has {len(ids):,} tokens: use --at below that")
-    c = at // T  # the chunk being predicted
-    if c < 2:
-        error(f"--at={at}: token {at} lies in chunk {c}; chunks 0 and 1 retrieve nothing: use --at >= {2 * T}")
-    show = lambda j: repr(enc.decode(ids[j * T : (j + 1) * T].tolist()))  # noqa: E731
-    state, model.record = model.new_state(offload=args.offload), [] if getattr(args, "plot", None) else None
-    with ctx:  # the dtype of every other test
-        prefill(model, ids[: c * T], state, args.segment, Progress(f"{name}: reading", c * T))  # through chunk c-1's landmark
-    if model.record is not None:
-        retrieved = [r for r in model.record if not isinstance(r[0], str)]  # per segment, group 0, 1, ...
-        plot_picks(retrieved, model.config, args.plot, f"{name}, retrieval {model.config.retriever}")
-        model.record = None
-    print(f"\n{name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
-          f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
-    out = []
-    nxt = model.config.read_next  # GCA reads the chunk after each pick j, never past chunk c-1
-    read = ", the chunks GCA reads (read_next: the one after each of Eq. 1's picks)" if nxt else ""
-    for g, (idx, w) in enumerate(state.picks):  # the chunks chunk c-1's landmark has GCA read for chunk c
-        picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]
-        print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}{read}")
-        for r, wj in picks:  # under read_next, state.picks already holds the chunk after each of Eq. 1's picks
-            print(f"    w {wj:.3f}  chunk {r} ({c - 1 - r} back{f', picked {r - 1}' if nxt else ''}): {show(r)}")
-        out.append((g, picks))
-    return out
-
-
 # -----------------------------------------------------------------------------
-# The command line: every argument checked before the checkpoint loads, which can take minutes
+# The command line: every argument checked before the model is built, which can take minutes
 
 
 def depth_bins(text):
@@ -550,32 +317,23 @@ def check_args(args):
          "--depth: 2-hop's needles keep their order (a variable is set before it is copied): drop --vartrack"),
         (depth_bins(args.depth) is None,
          f"--depth={args.depth}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9"),
-        ((args.ppl or args.inspect) and not args.docs,
-         "--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)"),
-        (args.max_tokens is not None and args.max_tokens < 2, f"--max_tokens={args.max_tokens}: must be >= 2"),
-        (args.plot and args.ppl == args.inspect, "--plot draws --ppl's curves or --inspect's picks: give one of them"),
-        (args.plot and args.inspect and len((args.retrieval or "").split(",")) > 1,
-         "--inspect --plot draws one retrieval mode: give one --retrieval"),
         (any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")),
          f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them"),
         (kind == "cpu" and args.dtype != "float32",
-         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
-        (args.copying and args.lengths != LENGTHS and not any(getattr(args, t) for t in TASKS),
-         f"--lengths={args.lengths}: --copying has spans of its own lengths; --lengths is for "
-         f"--passkey, --multikey, --vartrack")]:
+         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype")]:
         if bad:
             error(msg)
 
 
 def load_haystack(path, enc):
-    """The --haystack text, read once for every test."""
+    """The --haystack text, read once for every test, or a one-line ValueError."""
     try:
         return Haystack(path, enc)
     except (OSError, ValueError) as e:  # missing, empty or unreadable
         why = str(e).rstrip(".")
         why = why if why.startswith("--haystack") else f"--haystack {path}: {why}"  # numpy's or the OS's words
-        error(f"{why}: give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for "
-              f"the synthetic filler")
+        raise ValueError(f"{why}: give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack "
+                         f"for the synthetic filler") from None
 
 
 def arg_parser():
@@ -602,9 +360,6 @@ def arg_parser():
     test.add_argument("--passkey", action="store_true", help="passkey retrieval: one 5-digit key hidden in filler")
     test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
     test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X")
-    test.add_argument("--copying", action="store_true",
-                      help="in-context copying: the loss on spans seen 1-3 times, and on repeats past the windows, "
-                           "with retrieval and with the right chunks handed over (twins)")
     test.add_argument("--lengths", default=LENGTHS, help="context lengths in tokens (up to 64M)")
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
                       help="test prompts per length and test")
@@ -622,14 +377,6 @@ def arg_parser():
                       help="learned, random, none (the window alone), or a comma list, each in turn (None: as trained)")
     test.add_argument("--haystack", default=None,
                       help="filler of real text: .txt books in a folder, or a prepare_pg19.py .bin (None: sentences)")
-    lm = p.add_argument_group("language modelling over long documents")
-    lm.add_argument("--ppl", action="store_true", help="perplexity by position over --docs")
-    lm.add_argument("--inspect", action="store_true", help="what each group retrieved for the chunk at token --at")
-    lm.add_argument("--docs", default=None, help="a folder of .txt, one .txt, or a .bin of prepare_pg19.py")
-    lm.add_argument("--max_tokens", type=int, default=None, help="--ppl: the first N tokens of each document only")
-    lm.add_argument("--at", type=int, default=4096, help="--inspect: the token of the first document to show")
-    lm.add_argument("--plot", default=None, metavar="FILE.png", help="--ppl: perplexity against position, a curve per "
-                    "--retrieval mode; --inspect: every pick up to --at; needs matplotlib (pip install matplotlib)")
     return p
 
 
@@ -637,44 +384,34 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
-    if args.plot:
-        pyplot()  # a missing matplotlib says so now, not after the model has run
-    testing = tasks or args.copying or args.ppl or args.inspect
-    prompt = None if testing else read_prompt(args.prompt)
+    prompt = None if tasks else read_prompt(args.prompt)
     try:
         enc = get_tokenizer(args.tokenizer_file)
         lengths = parse_lengths(args.lengths) if tasks else None
-    except (OSError, RuntimeError, ValueError) as e:
+        ckpt, cfg = read_checkpoint(args.ckpt or args.out_dir)  # its tensors mapped, not read: quick
+    except (OSError, RuntimeError, ValueError, common.CheckpointError) as e:
         error(e)
-    if tasks:
-        check_lengths(tasks, lengths, args, enc)
-    haystack = load_haystack(args.haystack, enc) if (tasks or args.copying) and args.haystack else None
-    docs = read_docs(args.docs, enc, args.max_tokens) if args.ppl or args.inspect else None
+    depths = depth_bins(args.depth)
+    if tasks:  # prompts cut to the model's chunks, a key past its reach
+        check_lengths(tasks, lengths, args, enc, cfg, "reach" if "reach" in depths else None)
+        check_memory(cfg, max(lengths), args)
+    try:
+        haystack = load_haystack(args.haystack, enc) if tasks and args.haystack else None
+    except ValueError as e:
+        error(e)
 
     torch.manual_seed(args.seed)
-    model, ckpt = load_model(args.ckpt or args.out_dir, args.device)
-    cfg = model.config
-    print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): "
-          f"{model.num_params() / 1e6:.1f}M parameters, {cfg}")
+    modes = args.retrieval.split(",") if args.retrieval else [cfg.retriever]
+    print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): {cfg}")
     cuda = torch.device(args.device).type == "cuda"
     ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
-    if not testing:
-        return generate(model, enc, prompt, args, ctx)
-
-    depths = depth_bins(args.depth)
-    if tasks:
-        check_memory(model, max(lengths), args)
-        if not args.no_align or "reach" in depths:  # aligned prompts are shorter, a key past the reach longer
-            check_lengths(tasks, lengths, args, enc, cfg, "reach" if "reach" in depths else None)
-    modes = args.retrieval.split(",") if args.retrieval else [cfg.retriever]
-    if args.ppl:
-        perplexity(model, docs, modes, args, ctx)
-    for mode in modes:
-        cfg.retriever = mode
-        if args.inspect:
-            inspect(model, enc, docs, args.at, args, ctx)
-        if args.copying:
-            copy_test(model, args, ctx, haystack)
+    for mode in modes if tasks else [cfg.retriever]:
+        try:
+            model = build_model(ckpt, args.device, mode)
+        except common.CheckpointError as e:
+            error(e)
+        if not tasks:
+            return print_samples(model, enc, prompt, args, ctx)
         for task in tasks:
             for depth in depths:
                 run_task(model, enc, task, lengths, args, ctx, haystack, depth)

@@ -21,8 +21,7 @@ landmark falls before "is"). Unaligned, the landmark before the answer saw only 
 question, or none of it.
 
 Training rows (train.py): TaskRows draws train.py's batches of these tasks from its task_* keys,
-TextRows those of a prepared text dataset, with copy_row and repeat_passage rows mixed in
-(--copy_frac, --repeat_frac).
+TextRows those of a prepared text dataset, with copy_row's rows mixed in (--copy_frac).
 
 Scoring (sample.py): score, and for the test table's other columns in_reach, needle_picks and wilson.
 
@@ -315,7 +314,7 @@ class TaskRows:
 
 class TextRows:
     """train.py's batches of a prepared text dataset (data_dir/train.bin, val.bin of prepare_pg19.py):
-    random windows, with copy and repeat rows mixed into training (c: train.py's config). ValueError
+    random windows, with copy rows mixed into training (c: train.py's config). ValueError
     or OSError where the data is missing, shorter than a row, or of another vocabulary."""
 
     def __init__(self, c):
@@ -344,13 +343,11 @@ class TextRows:
             self.splits[split] = (path, len(tokens))
 
     def batch(self, split, rng, training):
-        """x, y (B, T) on the CPU; copy_frac and repeat_frac change training rows alone."""
+        """x, y (B, T) on the CPU; copy_frac changes training rows alone."""
         c, (path, n) = self.c, self.splits[split]
         data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
         rows = [np.asarray(data[s : s + c.block_size + 1], dtype=np.int64)
                 for s in (rng.randrange(n - c.block_size) for _ in range(c.batch_size))]
-        if training and c.repeat_frac:
-            rows = [repeat_passage(r, rng, self.reach) if rng.random() < c.repeat_frac else r for r in rows]
         if training and c.copy_frac:
             rows = [copy_row(len(r), rng, self.vocab, self.reach) if rng.random() < c.copy_frac else r for r in rows]
         xy = torch.from_numpy(np.stack(rows))  # (B, T+1)
@@ -366,20 +363,6 @@ def copy_row(n, rng, vocab, reach):
     far = rng.random() < 0.5 and n - 108 > reach + 8  # room for a far span and a repeat of >= 108 tokens
     L = rng.randrange(reach + 8, n - 108) if far else rng.randrange(24, 101)
     return np.resize(np.array([rng.randrange(vocab) for _ in range(L)], dtype=np.int64), n)
-
-
-def repeat_passage(row, rng, reach):
-    """The row (n,) of text with a passage of 63-504 tokens (1-8 chunks, as the row allows) copied over
-    a later part of it, more than `reach` tokens after its first reading: no chain of self-attention
-    windows links the two, so only retrieval (top-k chunks, then GCA) can predict the repeat from it."""
-    if len(row) < 2 * 63 + reach + 8:
-        return row
-    P = rng.randrange(63, min(504, (len(row) - reach - 8) // 2) + 1)
-    a = rng.randrange(len(row) - 2 * P - reach - 7)
-    b = rng.randrange(a + P + reach + 8, len(row) - P + 1)
-    row = row.copy()
-    row[b : b + P] = row[a : a + P]
-    return row
 
 
 def score(generated_ids, answer_ids, enc):

@@ -498,9 +498,9 @@ def test_code_corpus_builder(tmp_path):
 
 def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
     """prepare_code.py end to end on a made-up tree: tokenized as PG19 is, read by train.py, scored by
-    sample.py --ppl with the documents named by their directories."""
+    evaluate.py --ppl with the documents named by their directories."""
+    import evaluate
     import prepare_code as pc
-    import sample
     tokenizer_or_skip(monkeypatch)
     _code_tree(tmp_path / "tree")
     out = tmp_path / "code"
@@ -508,7 +508,7 @@ def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["splits"]["train"]["books"] == 2
     assert all(meta["titles"][b] == b.replace("__", "/") for m in meta["splits"].values() for b, _, _ in m["offsets"])
-    names = [name for name, _ in sample.read_docs(str(out / "test.bin"), enc=None)]
+    names = [name for name, _ in evaluate.read_docs(str(out / "test.bin"), enc=None)]
     assert names == [b for b, _, _ in meta["splits"]["test"]["offsets"]]  # named as in meta.json: its directory
     small = ["--n_embd=32", "--n_head=2", "--n_lower=1", "--groups=(1,)", "--n_enc=1", "--window=128", "--topk=2",
              "--batch_size=2", "--block_size=252", "--tokens_per_step=0", "--max_iters=2", "--eval_interval=2", "--eval_iters=1",
@@ -516,6 +516,6 @@ def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
     hist = train.main([*small, "--dataset=code", f"--data_dir={out}", f"--out_dir={tmp_path / 'run'}"])
     assert [it for it, _ in hist] == [1, 2]
     capsys.readouterr()
-    sample.main([f"--out_dir={tmp_path / 'run'}", "--ppl", f"--docs={out}/test.bin", "--max_tokens=2000", "--device=cpu"])
+    evaluate.main([f"--out_dir={tmp_path / 'run'}", "--ppl", f"--docs={out}/test.bin", "--max_tokens=2000", "--device=cpu"])
     text = capsys.readouterr().out
     assert re.search(r"^\s+1K-4K\s+976\s+\d+\.\d\d$", text, re.M)  # tokens 1,024-1,999 predicted

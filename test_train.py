@@ -95,7 +95,7 @@ def test_config_files_layer():
     cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
     assert (c["block_size"], cfg.n_embd, cfg.topk) == (8190, 384, 4)  # code_lm's shape stays
     assert 0 < c["teacher_iters"] < c["max_iters"] and cfg.read_next and not cfg.softmax_off_by_one
-    assert {"teacher_iters", "pool_retrieval", "block_size"} <= explicit
+    assert {"teacher_iters", "pool_tokens", "block_size"} <= explicit
 
 
 def test_overrides():
@@ -114,7 +114,7 @@ def test_overrides():
     (["--batch_size"], r"write overrides as --key=value"),
     (["--block_size=0"], r"block_size=0 must be a positive int"),
     (["config/nothing.py"], r"config file config/nothing.py not found"),
-    (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac and repeat_frac mix rows into a text dataset; --dataset=passkey"),
+    (["--dataset=passkey", "--copy_frac=0.5"], r"copy_frac mixes rows into a text dataset; --dataset=passkey"),
     (["--device=tpu"], r"^device='tpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'$"),
     (["--dataset=passkey,nope"], r"^dataset='passkey,nope': a comma list is of synthetic tasks, each one of passkey, "),
     (["--learning_rate=-1"], r"^learning_rate=-1.0 must be >= 0$"),
@@ -321,6 +321,34 @@ def test_bad_checkpoint_files(tmp_path):
     with pytest.raises(common.CheckpointError, match=r"holds weights alone .*cannot be resumed: fine-tune from it"):
         train.main(tiny_args(tmp_path, "bad", "--init_from=resume", "--max_iters=2"))
     train.main(tiny_args(tmp_path, "ft2", f"--init_from={bad}", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
+
+
+def test_checkpoints_of_removed_options(tmp_path):
+    """A checkpoint written before ret_dim, enc_rope, pool_retrieval="states" and repeat_frac were removed loads
+    and resumes when they hold their off values (pool_retrieval="tokens" is today's pool_tokens=True), with the
+    same logits; any other value is one line that names the option."""
+    import sample
+    run = ["--max_iters=1", "--eval_interval=1", "--eval_iters=1"]
+    train.main(tiny_args(tmp_path, "run", *run, "--pool_tokens=True"))
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    was = dict(ret_dim=0, enc_rope=False, pool_retrieval="tokens")  # how the earlier version stored the run
+    old = {**ckpt, "model_args": {k: v for k, v in ckpt["model_args"].items() if k != "pool_tokens"} | was,
+           "config": {k: v for k, v in ckpt["config"].items() if k != "pool_tokens"} | was | dict(repeat_frac=0.0)}
+    os.makedirs(tmp_path / "old")
+    torch.save(old, tmp_path / "old" / "ckpt.pt")
+    x = torch.randint(0, 95, (2, 30))
+    logits = [sample.build_model(sample.read_checkpoint(str(tmp_path / r))[0], "cpu")(x, x)[0] for r in ("run", "old")]
+    assert torch.equal(*logits)
+    train.main(tiny_args(tmp_path, "old", "--init_from=resume", "--max_iters=2", "--eval_interval=1", "--eval_iters=1"))
+    assert load_ckpt(tmp_path / "old")["config"]["pool_tokens"] is True
+    for part, key, value in [("model_args", "ret_dim", 16), ("model_args", "enc_rope", True),
+                             ("model_args", "pool_retrieval", "states"), ("config", "repeat_frac", 0.5)]:
+        torch.save({**old, part: old[part] | {key: value}}, tmp_path / "old" / "ckpt.pt")
+        for load in (lambda: sample.read_checkpoint(str(tmp_path / "old")),
+                     lambda: train.main(tiny_args(tmp_path, "old", "--init_from=resume", "--max_iters=3"))):
+            with pytest.raises(common.CheckpointError, match=f"old.ckpt.pt was trained with {key}.*removed") as e:
+                load()
+            assert "\n" not in str(e.value)
 
 
 def test_passkey_task(tmp_path, monkeypatch):
@@ -587,26 +615,6 @@ def test_ddp_rank_dies(tmp_path):
     assert [it for it, _ in hist] == [step + 1, step + 2]
 
 
-def test_repeat_passage_lies_past_the_reach():
-    """tasks.repeat_passage (train.py --repeat_frac): one passage of 63-504 tokens recurs, more than the windows' reach
-    after its first reading; the rest of the row is untouched."""
-    import random
-
-    import tasks
-    rng = random.Random(0)
-    for n, reach in [(1008, 512), (4032, 1536)]:
-        sizes = set()
-        for _ in range(100):
-            row = np.arange(n)
-            out = tasks.repeat_passage(row, rng, reach)
-            changed = np.flatnonzero(out != row)
-            assert 63 <= len(changed) <= 504 and np.all(np.diff(changed) == 1)  # one passage, in one piece
-            assert np.all(changed - out[changed] > reach)  # its source lies more than reach tokens back
-            sizes.add(len(changed))
-        assert len(sizes) > 20
-    assert np.array_equal(tasks.repeat_passage(np.arange(300), rng, 512), np.arange(300))  # no room: unchanged
-
-
 def test_train_reports_retrieval_health(tmp_path, capsys):
     """Each evaluation line of a DRT run carries sum w, max w and GCA's sink share (a dying retriever,
     or GCA reading nothing, shows there); the baseline's does not."""
@@ -643,12 +651,12 @@ def test_teacher_picks(read_next):
 
 def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
     """teacher_iters: the first steps' training forwards read teacher_picks; later steps, evaluation and
-    the checkpoint use Eq. 1 alone (hand_picks is None again)."""
+    the checkpoint use Eq. 1 alone (no picks handed in)."""
     seen, orig = [], DRT.retrieve
 
-    def spy(self, *a, **k):
-        seen.append((self.training, self.hand_picks is not None))
-        return orig(self, *a, **k)
+    def spy(self, g, h, chunk_ids, memory, picks=None, record=None):
+        seen.append((self.training, picks is not None))
+        return orig(self, g, h, chunk_ids, memory, picks, record)
     monkeypatch.setattr(DRT, "retrieve", spy)
     train.main(tiny_args(tmp_path, "t", "--teacher_iters=2", "--max_iters=4", "--eval_interval=4",
                          "--eval_iters=1"))

@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import common
 import tasks
 from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, peak_flops, peak_mem_gib,
-                    saved_at, stopped, unwritable)
+                    retrieval_stats, saved_at, sink_label, stopped, unwritable)
 from configurator import ConfigError, configure, keys_of, print_help
-from model import DRT, DRTConfig, cdiv, retrieval_stats, sink_label
+from model import DRT, DRTConfig, cdiv
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
 # I/O
@@ -55,7 +56,6 @@ stop_iter = 0  # stop and save after this step, the schedule unchanged (a long r
 dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or passkey|multikey|vartrack (tasks.py), or a comma list of those
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
-repeat_frac = 0.0  # text: the share of training rows with a passage recurring past the windows (tasks.repeat_passage)
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
@@ -111,7 +111,7 @@ def check_config(config):
     bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
     bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth")
             if config[k] < 0]
-    bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "repeat_frac", "task_haystack_frac")
+    bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "task_haystack_frac")
             if not 0 <= config[k] <= 1]
     choices = {"task_loss": ("all", "answer"), "task_names": ("pool", "twenty"),
                "dtype": ("auto", "bfloat16", "float32")}
@@ -124,8 +124,8 @@ def check_config(config):
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
         (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
          f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
-        ((c.copy_frac or c.repeat_frac) and is_tasks(c.dataset),
-         f"copy_frac and repeat_frac mix rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
+        (c.copy_frac and is_tasks(c.dataset),
+         f"copy_frac mixes rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         ("," in c.dataset and not is_tasks(c.dataset),
          f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TASKS)}"),
         (keys is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
@@ -141,7 +141,7 @@ def check_config(config):
 
 class Data:
     """The run's batches, each a function of (split, rng) alone: tasks.TextRows (a prepared text dataset, with
-    copy and repeat rows mixed into training) or tasks.TaskRows. Checked before a model is built or out_dir made."""
+    copy rows mixed into training) or tasks.TaskRows. Checked before a model is built or out_dir made."""
 
     def __init__(self, c, device):
         try:
@@ -215,31 +215,23 @@ def estimate_loss(model, raw_model, data, c, autocast):
             total += loss.float()
             progress(t0, f"eval {split}: micro-batch {k + 1}/{c.eval_iters} done")
         out[split] = total.item() / c.eval_iters
-    stats = {}
+    record = []
     if c.groups:
-        raw_model.record = []
         with autocast:
-            raw_model(*data.batch("val", step_rng(c.seed, "val", "eval", 0)), return_logits=False)
-        stats, raw_model.record = retrieval_stats(raw_model.record, c.topk), None
+            raw_model(*data.batch("val", step_rng(c.seed, "val", "eval", 0)), return_logits=False, record=record)
     model.train()
-    return out, stats
+    return out, retrieval_stats(record, c.topk)
 
 
-def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
-    """The run main set up, from checkpoint ckpt (or None); again is the command that continues it."""
-    master, cuda, finetune = rank == 0, device.type == "cuda", c.init_from not in ("scratch", "resume")
-    dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    if cuda:
-        torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
+def check_run(c, given, ckpt, src, world_size, master, device):
+    """Every setting that needs more than its own value, before a model is built or out_dir made (an error
+    leaves nothing behind) -> (the DRTConfig's fields, the data, micro-batches per step, tokens per step).
+    The architecture is the checkpoint's if there is one: model keys given now must agree."""
     per_micro = c.batch_size * c.block_size * world_size  # tokens_per_step = grad_accum micro-batches on every rank
     tokens_per_step = c.tokens_per_step or per_micro
-    grad_accum = tokens_per_step // per_micro
     if tokens_per_step % per_micro:
         raise ConfigError(f"tokens_per_step={tokens_per_step:,} is not a multiple of batch_size*block_size*GPUs = "
                           f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use a multiple of it (0: none)")
-
-    # the architecture: the checkpoint's if there is one (model keys given now must agree), else the config's
     arch = {k: getattr(c, k) for k in MODEL_KEYS}
     if ckpt is not None:
         stored = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
@@ -264,25 +256,80 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
                           f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
     if master and (why := unwritable(c.out_dir)):  # checked last: a run that cannot start leaves no folder behind
         raise ConfigError(f"out_dir {why}: pass --out_dir=<writable folder>")
+    return model_args, data, tokens_per_step // per_micro, tokens_per_step
 
-    # the model, and the optimizer; raw_model is what a checkpoint holds (never compiled, never wrapped)
+
+def build(c, model_args, ckpt, src, device, finetune):
+    """The model (never compiled, never wrapped: what a checkpoint holds) and its optimizer, with the
+    checkpoint's weights, and for a resume its optimizer state -> (model, optimizer, iter_num, best val loss)."""
     torch.manual_seed(c.seed)  # the same initial weights on every rank
-    raw_model = DRT(DRTConfig(**model_args)).to(device)
-    optimizer = raw_model.configure_optimizers(c.weight_decay, c.learning_rate, c.betas, device.type)
-    iter_num, best_val_loss = 0, float("inf")
+    model = DRT(DRTConfig(**model_args)).to(device)
+    optimizer = model.configure_optimizers(c.weight_decay, c.learning_rate, c.betas, device.type)
+    if not ckpt:
+        return model, optimizer, 0, float("inf")
+    model.load_state_dict(ckpt["model"])
+    if finetune:  # only the weights: its own optimizer, schedule and best loss
+        return model, optimizer, 0, float("inf")
+    if "optimizer" not in ckpt:
+        raise CheckpointError(f"{src} holds weights alone (no optimizer state) and cannot be resumed: "
+                              f"fine-tune from it with --init_from=<its folder> and a new --out_dir")
+    optimizer.load_state_dict(ckpt["optimizer"])
+    return model, optimizer, ckpt["iter_num"], ckpt["best_val_loss"]
+
+
+def save(c, model, optimizer, model_args, iter_num, best_val_loss, val_loss, tokens_per_step):
+    """The run as it stands at iter_num, into out_dir: each file written whole (to .tmp, then renamed) -> iter_num."""
+    ckpt_path, json_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "ckpt.json")
+    state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, ckpt_path + ".tmp")
+    os.replace(ckpt_path + ".tmp", ckpt_path)
+    with open(json_path + ".tmp", "w") as f:  # the same without tensors, for people and tools without torch
+        json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
+    os.replace(json_path + ".tmp", json_path)
+    log(f"saved {ckpt_path} at step {iter_num}")
+    return iter_num
+
+
+def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp):
+    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss, left on the device (no host sync)."""
+    lr = get_lr(iter_num, c)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    t_step, step_loss = time.time(), 0
+    for micro in range(grad_accum):
+        if micro:
+            progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
+        g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
+        x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
+        torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
+        picks = teacher_picks(x, raw_model.config) if iter_num < c.teacher_iters else None  # (B, n, K) or None
+        with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
+            with autocast:
+                _, loss = model(x, y, return_logits=False, picks=picks)
+            (loss / grad_accum).backward()
+        step_loss = step_loss + loss.detach().float() / grad_accum
+    if c.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss, lr
+
+
+def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
+    """The run main set up, from checkpoint ckpt (or None); again is the command that continues it."""
+    master, cuda, finetune = rank == 0, device.type == "cuda", c.init_from not in ("scratch", "resume")
+    dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    if cuda:
+        torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
+    model_args, data, grad_accum, tokens_per_step = check_run(c, given, ckpt, src, world_size, master, device)
+    raw_model, optimizer, iter_num, best_val_loss = build(c, model_args, ckpt, src, device, finetune)
     if ckpt:
-        raw_model.load_state_dict(ckpt["model"])
-        if not finetune:  # a fine-tune keeps only the weights: its own optimizer, schedule and best loss
-            if "optimizer" not in ckpt:
-                raise CheckpointError(f"{src} holds weights alone (no optimizer state) and cannot be resumed: "
-                                      f"fine-tune from it with --init_from=<its folder> and a new --out_dir")
-            optimizer.load_state_dict(ckpt["optimizer"])
-            iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         ckpt.clear()  # free it (main holds it too)
     eval_model = torch.compile(raw_model) if c.compile and cuda else raw_model  # rank 0 evaluates alone: no DDP
     model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
 
-    flops_per_token, peak = raw_model.flops_per_token(), peak_flops(device)  # matmul FLOPs of forward + backward
+    flops_per_token, peak = common.flops_per_token(raw_model), peak_flops(device)  # matmul FLOPs of forward + backward
     what = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     how = f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"
     if c.teacher_iters:
@@ -290,17 +337,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     log(f"{what}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
-    ckpt_path, json_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "ckpt.json")
-
-    def save(val_loss):  # the run as it stands at iter_num: each file written whole (to .tmp, then renamed)
-        state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
-        torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **state}, ckpt_path + ".tmp")
-        os.replace(ckpt_path + ".tmp", ckpt_path)
-        with open(json_path + ".tmp", "w") as f:  # the same without tensors, for people and tools without torch
-            json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
-        os.replace(json_path + ".tmp", json_path)
-        log(f"saved {ckpt_path} at step {iter_num}")
-        return iter_num
+    checkpoint = lambda val: save(c, raw_model, optimizer, model_args, iter_num, best_val_loss, val, tokens_per_step)  # noqa: E731
 
     # the loop. iter_num counts the optimizer steps done: all a checkpoint must hold for an exact resume
     start, last, history = iter_num, c.stop_iter or c.max_iters, []
@@ -320,49 +357,24 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
                 + (f", {sink_label(raw_model.config)} {ret['sink']:.2f}" if "sink" in ret else ""))
             improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
             if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
-                saved = save(losses["val"])  # the last step too: out_dir must end up holding this run
+                saved = checkpoint(losses["val"])  # the last step too: out_dir must end up holding this run
             t_last += time.time() - t_eval  # evaluation and saving are not training time
         if iter_num >= last:
             break
         if not ddp:  # one process: at every step boundary; under DDP all ranks agree at the log line below
             stop = STOP["signum"]
         if stop:  # a step boundary: the model is whole
-            if master and iter_num > saved:
-                save(None)
+            saved = checkpoint(None) if master and iter_num > saved else saved
             if ddp:
                 dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
             said = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
-            said += (f": saved {ckpt_path} at step {iter_num}; continue with: {again}" if iter_num > start or resumed
-                     else " before the first step: nothing saved")
+            said += (f": saved {os.path.join(c.out_dir, 'ckpt.pt')} at step {iter_num}; continue with: {again}"
+                     if iter_num > start or resumed else " before the first step: nothing saved")
             stopped(said if master else "", stop)
 
-        # step iter_num + 1 over grad_accum micro-batches; the loss stays on the device (no host sync)
-        lr = get_lr(iter_num, c)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t_step, step_loss = time.time(), 0
-        for micro in range(grad_accum):
-            if micro:
-                progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
-            g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-            x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
-            torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
-            if iter_num < c.teacher_iters:
-                teacher = teacher_picks(x, raw_model.config)  # (B, n, K)
-                raw_model.hand_picks = lambda chunk_ids: teacher
-            with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
-                with autocast:
-                    _, loss = model(x, y, return_logits=False)
-                (loss / grad_accum).backward()
-            raw_model.hand_picks = None  # evaluation and the checkpoint know Eq. 1 alone
-            step_loss = step_loss + loss.detach().float() / grad_accum
+        step_loss, lr = train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp)
         loss_sum += step_loss
-        if c.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         iter_num += 1
-
         if iter_num % c.log_interval == 0 or iter_num == last:
             if ddp:  # the losses of all ranks, and the signal any rank was sent: then all stop at this step
                 sent = torch.tensor(float(STOP["signum"]), device=device)

@@ -15,4 +15,4 @@ gumbel = False  # no noise on Eq. 1's scores: it is larger than their spread, so
 gca_sink = False  # no zero key in GCA: its heads rested on it and read nothing
 center_memory = True  # chunk-centred memory: otherwise every chunk's keys share one direction and GCA cannot copy
 read_next = True  # a pick j is read as chunk j+1, the text that followed what the query resembles
-pool_retrieval = "tokens"  # Eq. 1 on chunks' mean token embeddings (centred): landmark states share one direction
+pool_tokens = True  # Eq. 1 on chunks' mean token embeddings (centred): landmark states share one direction
