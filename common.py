@@ -1,9 +1,10 @@
 """
 Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
-formatting, the --lengths parser, GPT-2's tokenizer, a GPU's peak FLOP/s (for MFU) and peak memory, the check that an
-output folder is writable, the checkpoint loader, and train.py's Ctrl-C handling. Not run on its own.
+formatting, the --lengths parser, GPT-2's tokenizer, a prepared dataset's meta.json and .bin files (read and
+checked), a GPU's peak FLOP/s (for MFU) and peak memory, the check that an output folder is writable, the
+checkpoint loader, and train.py's Ctrl-C handling. Not run on its own.
 
-    from common import fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, unwritable
+    from common import check_bin, fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, read_meta
 
 torch is imported inside the functions that use it, so prepare_pg19.py and its worker
 processes, which need only fmt_time, do not load it.
@@ -92,6 +93,58 @@ def max_token_id(tokens, windows=256, width=4096):
     id to its last): a check that a .bin of any size holds ids of the vocabulary, in milliseconds."""
     w = min(len(tokens), width)
     return max(int(tokens[s : s + w].max()) for s in np.linspace(0, len(tokens) - w, windows, dtype=np.int64))
+
+
+def read_meta(folder, fix="prepare the data again"):
+    """folder's meta.json (prepare_pg19.py's, prepare_code.py's) as a dict, or None where there is none; a
+    one-line ValueError naming it and ending in fix where it is no such file (a copy cut short, an edit)."""
+    path = os.path.join(folder, "meta.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}): {fix}") from None
+    except OSError as e:  # a folder of that name, no permission
+        raise ValueError(f"{path} cannot be read ({e.strerror}): {fix}") from None
+    splits = meta.get("splits") if isinstance(meta, dict) else None
+    if not (isinstance(splits, dict) and all(isinstance(m, dict) and type(m.get("tokens", 0)) is int
+                                             for m in splits.values()) and type(meta.get("vocab_size")) is int):
+        raise ValueError(f"{path} is not a meta.json of prepare_pg19.py (it needs vocab_size, and splits with their "
+                         f"token counts): {fix}")
+    return meta
+
+
+def bin_entry(meta, path):
+    """The entry of meta's splits that describes the .bin at path (by its file name), or None."""
+    name = os.path.basename(path)
+    return next((m for split, m in meta["splits"].items() if m.get("file", f"{split}.bin") == name), None)
+
+
+def check_bin(path, vocab=None, fix="prepare the data again"):
+    """The uint16 tokens of a .bin of prepare_pg19.py or prepare_code.py, as a read-only memmap; else a one-line
+    ValueError naming it and ending in fix: missing, empty, an odd number of bytes, a size other than the
+    meta.json beside it lists (a copy cut short, another run's file), or ids >= vocab (on a sample, by
+    max_token_id: another tokenizer's file). vocab None: the meta.json's vocab_size, else GPT-2's."""
+    meta = read_meta(os.path.dirname(path) or ".", fix)
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ValueError(f"{path} {'not found' if isinstance(e, FileNotFoundError) else f'cannot be read ({e.strerror})'}: "
+                         f"{fix}") from None
+    listed = (bin_entry(meta, path) or {}).get("tokens") if meta else None
+    if size == 0 or size % 2 or (listed is not None and size != 2 * listed):
+        should = (f"{listed:,} uint16 tokens by its meta.json" if listed is not None
+                  else "not a whole number of uint16 tokens" if size else "no tokens")
+        raise ValueError(f"{path} has {size:,} bytes, {should}: {fix}")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    vocab, whose = ((vocab, f"a vocabulary of {vocab} ids") if vocab else
+                    (meta["vocab_size"], f"vocab_size={meta['vocab_size']} of its meta.json") if meta else
+                    (GPT2_VOCAB, f"GPT-2's {GPT2_VOCAB} ids"))
+    if (top := max_token_id(tokens)) >= vocab:
+        raise ValueError(f"{path} holds token id {top}, outside {whose}: {fix}")
+    return tokens
 
 
 def peak_flops(device):
