@@ -20,7 +20,8 @@ The documents, so that everyone who builds from the same tree gets the same ones
 linux-source-6.12 (6.12.118) gives 775 documents: train 683, validation 38, test 24 (30 reserved).
 
 Output: <out>/raw/{train,validation,test}/<dir with / as __>.txt and metadata.csv (name, directory),
-then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py writes them.
+then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py writes them. A dataset
+already in --out is kept (the run stops at once, naming it) unless --overwrite.
 """
 import argparse
 import hashlib
@@ -30,7 +31,7 @@ import sys
 import tarfile
 import time
 
-from prepare_pg19 import _print, prepare
+from prepare_pg19 import _print, prepare, refuse_existing
 
 EXCLUDED = ("arch", "tools", "scripts", "samples", "Documentation", "usr", "drivers/gpu/drm/amd/include")
 MAX_FILE = 256 * 1024       # bytes: larger files are generated tables, not code one reads
@@ -148,11 +149,15 @@ def main(argv=None):
                    "by file name (a smaller train split for a quick run); default: all")
     p.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default min(8, CPU count))")
     p.add_argument("--tokenizer_file", default=None, help="local GPT-2 BPE ranks file; default: env DRT_GPT2_RANKS")
+    p.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out; without it a run "
+                   "over one stops at once")
     args = p.parse_args(argv)
     if args.max_books is not None and args.max_books < 1:
         raise SystemExit(f"prepare_code.py: error: --max_books={args.max_books}: give a positive number, or leave it out")
     t0, raw = time.time(), os.path.join(args.out, "raw")
     try:
+        if not args.overwrite:
+            refuse_existing(args.out)  # before build replaces raw/
         build(args.source, raw)
         meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books)
     except (OSError, ValueError, RuntimeError, tarfile.TarError) as e:

@@ -219,7 +219,8 @@ def test_prepare_errors(tmp_path, monkeypatch):
             prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "out"), flag])
     with pytest.raises(SystemExit, match=r"^prepare_pg19.py: error: GPT-2 ranks file .*README.md \(from "
                                          r"--tokenizer_file or DRT_GPT2_RANKS\) is not a tiktoken ranks file"):
-        prepare_pg19.main(["--source", str(src), "--tokenizer_file", os.path.join(HERE, "README.md")])
+        prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "out"), "--tokenizer_file",
+                           os.path.join(HERE, "README.md")])
 
     with pytest.raises(SystemExit, match="no_such_dir"):  # the CLI turns errors into one clear line
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
@@ -239,7 +240,7 @@ def test_prepare_ctrl_c(tmp_path, monkeypatch):
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as from a terminal (a background job ignores it)
             "def _encode_book(path):\n    time.sleep(0.5)\n    return encode(path)\n"
             "_encode_book.__module__ = 'prepare_pg19'\np._encode_book = _encode_book\np.main(sys.argv[1:])")
-    proc = start_run([sys.executable, "-c", slow, "--source", str(src), "--out", str(out), "--num_proc=2"])
+    proc = start_run([sys.executable, "-c", slow, "--source", str(src), "--out", str(out), "--num_proc=2", "--overwrite"])
     try:
         read_until(proc.stdout, r"check: ")  # then 5 s of tokenizing
         os.killpg(proc.pid, signal.SIGINT)
@@ -270,7 +271,7 @@ def test_prepare_failed_rerun_keeps_old_dataset(tmp_path, monkeypatch):
     assert lines and all(line.startswith("check:") for line in lines)  # checked, nothing tokenized
     assert _files(out) == before  # bit-identical, no temp files
     with pytest.raises(SystemExit, match="99.txt"):
-        prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1"])
+        prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1", "--overwrite"])
     assert _files(out) == before
 
     # interrupted (Ctrl-C) while tokenizing test/: the old dataset stays, the temp files go
@@ -302,6 +303,34 @@ def test_prepare_failed_rerun_keeps_old_dataset(tmp_path, monkeypatch):
     after = _files(out)
     assert sorted(after) == ["test.bin", "train.bin", "val.bin"]  # incomplete: no meta.json, no temp files
     assert after["test.bin"] == before["test.bin"] and after["train.bin"] != before["train.bin"]
+
+
+def test_prepare_keeps_a_dataset(tmp_path, monkeypatch, fake_bucket):
+    """A run over a prepared dataset stops before any work (no listing, no download), in one line that says
+    what is there (its meta.json's counts) and how to go on; --overwrite replaces it. A meta.json that is
+    not JSON is named, not read past."""
+    tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {i: f"Train book {i}. " * 50 for i in (1, 2, 3)}, "validation": {4: "v", 6: "w"},
+                       "test": {5: "t", 7: "u"}})
+    prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1"])
+    before, meta = _files(out), json.loads((out / "meta.json").read_text())
+    held = ", ".join(f"{n} {m['tokens']:,} tokens in {m['books']} books" for n, m in meta["splits"].items())
+    kw, fetched, listed = fake_bucket({"train/1.txt": b"x", "validation/4.txt": b"v", "test/5.txt": b"t"})
+    download = prepare_pg19.download_pg19
+    monkeypatch.setattr(prepare_pg19, "download_pg19", lambda *a, **k: download(*a, **k, **kw))
+    for argv in (["--source", str(src), "--max_books=1"], ["--raw_dir", str(tmp_path / "raw"), "--max_books=1"]):
+        with pytest.raises(SystemExit) as e:
+            prepare_pg19.main([*argv, "--out", str(out), "--num_proc=1"])
+        assert str(e.value) == (f"prepare_pg19.py: error: {out} already holds a dataset ({held}, by its meta.json): "
+                                f"pass --overwrite to replace it, or another --out")
+    assert listed == fetched == [] and not (tmp_path / "raw").exists() and _files(out) == before
+    (out / "meta.json").write_text((out / "meta.json").read_text()[:40])  # a copy cut short
+    with pytest.raises(SystemExit, match=rf"^prepare_pg19.py: error: {re.escape(str(out / 'meta.json'))} is not valid "
+                                         rf"JSON \(.*\): pass --overwrite to replace the dataset in .*out, or another --out$"):
+        prepare_pg19.main(["--source", str(src), "--out", str(out), "--max_books=1"])
+    prepare_pg19.main(["--source", str(src), "--out", str(out), "--max_books=1", "--num_proc=1", "--overwrite"])
+    assert json.loads((out / "meta.json").read_text())["splits"]["train"]["books"] == 1
 
 
 @pytest.fixture
@@ -414,7 +443,7 @@ def test_download_max_books_then_prepare(tmp_path, monkeypatch, capsys, fake_buc
     assert "train: 2/2 books" in log and "done in" in log
 
     fetched.clear()
-    prepare_pg19.main(argv)
+    prepare_pg19.main([*argv, "--overwrite"])
     assert fetched == []
     assert "download: 6 files listed, 6 already present, 0 to fetch" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
