@@ -521,8 +521,53 @@ def test_code_corpus_builder(tmp_path):
     assert again == written and not (tmp_path / "raw.tmp").exists()
     with pytest.raises(ValueError, match="no directory holds 200 KiB"):
         pc.build(str(tmp_path / "kernel"), str(tmp_path / "raw2"), log=lambda s: None)
-    with pytest.raises(FileNotFoundError, match="expected a Linux source tree"):
+    with pytest.raises(FileNotFoundError, match="nope not found"):
         pc.build(str(tmp_path / "nope"), str(tmp_path / "raw2"), log=lambda s: None)
+
+
+def test_code_corpus_errors(tmp_path, monkeypatch):
+    """prepare_code.py's --source errors say what is wrong (not found; not a valid archive, or one cut short)
+    and leave no output folder behind; a dataset already in --out is kept: the run stops before building,
+    and with --overwrite a failed build keeps it too."""
+    import random
+    import tarfile
+
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    out = tmp_path / "out"
+
+    def error(source, *extra):
+        with pytest.raises(SystemExit) as e:
+            pc.main(["--source", str(source), "--out", str(out), "--num_proc=1", *extra])
+        assert "\n" not in str(e.value)
+        return str(e.value)
+    nope = tmp_path / "nope.tar.xz"
+    assert error(nope) == f"prepare_code.py: error: --source {nope} not found: give a Linux source tree, a folder or its .tar.xz"
+    (tmp_path / "text.tar.xz").write_text("not xz at all")
+    assert re.match(r"prepare_code.py: error: --source .*text.tar.xz is not a valid tar archive", error(tmp_path / "text.tar.xz"))
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    (tmp_path / "linux/kernel/a").mkdir(parents=True)
+    for name in ("x.c", "y.c"):  # random text: it does not compress, so half the archive holds half the tree
+        (tmp_path / "linux/kernel/a" / name).write_text("".join(rng.choice("abcdefgh \n") for _ in range(250_000)))
+    with tarfile.open(tmp_path / "linux.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "linux", arcname="linux")
+    whole = (tmp_path / "linux.tar.xz").read_bytes()
+    (tmp_path / "cut.tar.xz").write_bytes(whole[: len(whole) // 2])
+    assert re.match(r"prepare_code.py: error: --source .*cut.tar.xz is not a valid tar archive \(.*: cut short\?\)",
+                    error(tmp_path / "cut.tar.xz"))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs/README").write_text("no C here")
+    assert "no directory holds 200 KiB of .c/.h files" in error(tmp_path / "docs")
+    assert not out.exists()  # none of these made the output folder
+
+    src = tmp_path / "books"
+    _write_books(src, {"train": {1: "a book"}, "validation": {2: "b"}, "test": {3: "c"}})
+    prepare_pg19.prepare(str(src), str(out), num_proc=1, log=lambda s: None)
+    before = _files(out)
+    assert re.match(rf"prepare_code.py: error: {re.escape(str(out))} already holds a dataset \(train \d+ tokens in 1 book, "
+                    r".*\): pass --overwrite to replace it, or another --out$", error(tmp_path / "linux.tar.xz"))
+    assert "no directory holds" in error(tmp_path / "docs", "--overwrite")  # past the check, to the build's error
+    assert _files(out) == before
 
 
 def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
