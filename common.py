@@ -131,8 +131,8 @@ def check_bin(path, vocab=None, fix="prepare the data again"):
     try:
         size = os.path.getsize(path)
     except OSError as e:
-        raise ValueError(f"{path} {'not found' if isinstance(e, FileNotFoundError) else f'cannot be read ({e.strerror})'}: "
-                         f"{fix}") from None
+        said = "not found" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
+        raise ValueError(f"{path} {said}: {fix}") from None
     listed = (bin_entry(meta, path) or {}).get("tokens") if meta else None
     if size == 0 or size % 2 or (listed is not None and size != 2 * listed):
         should = (f"{listed:,} uint16 tokens by its meta.json" if listed is not None

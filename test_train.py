@@ -195,13 +195,14 @@ def test_check_bin(tmp_path):
     tokens = common.check_bin(str(train_bin))
     assert isinstance(tokens, np.memmap) and tokens.tolist() == np.fromfile(train_bin, np.uint16).tolist()
     whole = train_bin.read_bytes()
-    for cut, said in [(whole[:8000], "8,000 bytes, 5,000 uint16 tokens by its meta.json"), (b"", "0 bytes, 5,000 uint16 tokens by its meta.json")]:
+    for cut, n in [(whole[:8000], "8,000"), (b"", "0")]:
+        said = f"{n} bytes, 5,000 uint16 tokens by its meta.json"
         train_bin.write_bytes(cut)
         with pytest.raises(ValueError, match=rf"^{re.escape(str(train_bin))} has {said}: do this$"):
             common.check_bin(str(train_bin), fix="do this")
     with pytest.raises(ValueError, match=r"^.*nothing.bin not found: prepare the data again$"):
         common.check_bin(str(data / "nothing.bin"))
-    (data / "val.bin").write_bytes((data / "val.bin").read_bytes() + b"x")  # no entry in meta.json: size unchecked
+    (data / "val.bin").write_bytes((data / "val.bin").read_bytes() + b"x")  # not in meta.json: its evenness checked
     with pytest.raises(ValueError, match=r"val.bin has 2,001 bytes, not a whole number of uint16 tokens"):
         common.check_bin(str(data / "val.bin"))
     alone = tmp_path / "alone.bin"  # no meta.json beside it: GPT-2's vocabulary
