@@ -184,14 +184,34 @@ def stream_memory_error(L, n_embd, chunk_size, device, offload, nbytes):
 
 
 def peak_mem_gib(device="cpu"):
-    """Peak memory in GiB: on a GPU the most torch allocated there (since the last
-    torch.cuda.reset_peak_memory_stats), else this process's peak resident host memory."""
+    """Peak memory in GiB: on a GPU the most torch allocated there (since the last reset_peak_mem), else
+    this process's peak resident host memory (Linux: since the last reset_peak_mem that could reset it)."""
     import torch
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+    try:
+        with open("/proc/self/status") as f:  # VmHWM: what /proc/self/clear_refs resets
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS; never reset
+        return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def reset_peak_mem(device="cpu"):
+    """Start peak_mem_gib(device) afresh -> whether it could: a GPU's allocator statistics always; the host's
+    peak resident memory on Linux alone (clear_refs), else it stays the process's peak since its start."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size (Linux 4.0+)
+        return True
+    except OSError:
+        return False
 
 
 def unwritable(folder):
