@@ -19,7 +19,12 @@ fwd = 4*B*C*K*H*S*S*D (per pick, q k^T and p v), fwd+bwd = 3.5 * fwd; the kernel
 autocast): ms/step, tok/s, MFU, peak memory. --long feeds a random-init DRT a stream of random
 tokens in prefill segments, through StreamState: seconds, tokens/s, peak GPU memory and the chunk
 memory's bytes (host with --offload). Memory does not depend on the weights: a random model
-measures it. Without a GPU, --train and --long run at toy sizes with --device=cpu (a smoke test).
+measures it.
+
+Without a GPU, --train and --long run with --device=cpu as a smoke test, in seconds and a few GB: at
+toy sizes unless --block_size, --model or --lengths are given (TOY_TRAIN, TOY_LENGTHS), every --train
+case eager (no torch.compile) and with the PyTorch GCA (Triton's kernel needs a GPU), peak memory the
+host's.
 """
 
 import argparse
@@ -33,7 +38,7 @@ import torch
 
 import common
 import model as drt
-from common import MAX_LENGTH, fmt_len, parse_lengths, peak_flops, peak_mem_gib, stream_memory_error
+from common import MAX_LENGTH, fmt_len, parse_lengths, peak_flops, peak_mem_gib, reset_peak_mem, stream_memory_error
 from model import DRT, DRTConfig
 
 # -----------------------------------------------------------------------------
@@ -196,12 +201,18 @@ def sync(dev):
 
 
 def reset_peak(dev):
+    """Start the peaks afresh: the GPU's and the host's -> whether the host's could be (Linux)."""
     if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_mem(dev)
+    return reset_peak_mem("cpu")
 
 
-def peak_gpu(dev):
-    return peak_mem_gib(dev) if dev.type == "cuda" else float("nan")
+def peak_col(dev, host_reset, width):
+    """The peak memory of what ran since reset_peak, in GiB: the GPU's, or on a CPU the host's ('-' where
+    it could not be reset, so that it would be the whole process's)."""
+    if dev.type == "cuda":
+        return f"{peak_mem_gib(dev):{width - 1}.1f}G"
+    return f"{peak_mem_gib():{width - 1}.1f}G" if host_reset else f"{'-':>{width}s}"
 
 
 TRAIN_CASES = [  # (name, DRTConfig changes, GCA implementation, torch.compile)
@@ -211,16 +222,32 @@ TRAIN_CASES = [  # (name, DRTConfig changes, GCA implementation, torch.compile)
     ("DRT x1", dict(groups=(6,)), "triton", False),
     ("baseline", dict(n_lower=12, groups=()), "-", False),
 ]
+# --device=cpu: a smoke run in seconds on 2 cores. 16 chunks of 15 tokens, 4 in the window: retrieval
+# has chunks to pick beyond it; 12 layers of 64
+TOY_TRAIN = dict(block_size=240, model=dict(vocab_size=512, n_embd=64, n_head=1, n_enc=1, chunk_size=16, window=64,
+                                            topk=2))
+TOY_LENGTHS = "2K,8K"
+
+
+def train_cases(dev):
+    """TRAIN_CASES as dev runs them: on a CPU each model once, eager, with the PyTorch GCA ('torch')."""
+    if dev.type == "cuda":
+        return TRAIN_CASES
+    cases = {}
+    for name, kw, impl, _ in TRAIN_CASES:
+        cases.setdefault(name, (name, kw, "torch" if impl == "triton" else impl, False))
+    return list(cases.values())
 
 
 def bench_train(args, dev):
     peak = peak_flops(dev)
     head = (f"{'model':10s} {'GCA':>6s} {'compile':>7s} {'params':>8s} {'B x T':>11s} | {'ms/step':>8s} {'tok/s':>9s} "
             f"{'MFU':>6s} {'peak mem':>9s}")
+    if dev.type != "cuda":  # the GPU's table has a row per GCA and compile; this one a row per model
+        print("cpu: each model eager (torch.compile is timed on a GPU alone), DRT's GCA in PyTorch (the Triton "
+              "kernel needs a GPU)", flush=True)
     print(head + "\n" + "-" * len(head))
-    for name, kw, impl, compiled in TRAIN_CASES:
-        if dev.type != "cuda" and (impl == "triton" or compiled):
-            continue
+    for name, kw, impl, compiled in train_cases(dev):
         drt.GCA_IMPL = impl if impl != "-" else "auto"
         torch.manual_seed(0)
         raw = DRT(DRTConfig(**kw, **args.model)).to(dev)
@@ -242,7 +269,7 @@ def bench_train(args, dev):
                 step()
             sync(dev)
             warm = time.time() - t0
-            reset_peak(dev)
+            host_reset = reset_peak(dev)
             t0 = time.time()
             for _ in range(args.steps):
                 step()
@@ -258,7 +285,8 @@ def bench_train(args, dev):
         tok_s = args.batch_size * args.block_size / dt
         mfu = f"{100 * common.flops_per_token(raw) * tok_s / peak:5.1f}%" if peak else "  n/a"
         print(f"{label} {raw.num_params() / 1e6:7.1f}M {args.batch_size:>3d} x {args.block_size:<6d}"
-              f" | {1000 * dt:8.1f} {tok_s:9,.0f} {mfu:>6s} {peak_gpu(dev):8.1f}G   (warm-up {warm:.0f}s)", flush=True)
+              f" | {1000 * dt:8.1f} {tok_s:9,.0f} {mfu:>6s} {peak_col(dev, host_reset, 9)}   (warm-up {warm:.0f}s)",
+              flush=True)
         del raw
     drt.GCA_IMPL = "auto"
 
@@ -279,7 +307,7 @@ def bench_long(args, dev):
     head = f"{'length':>7s} | {'seconds':>8s} {'tok/s':>10s} | {'peak GPU':>9s} {'chunk mem':>10s} {'B/token':>8s} {'peak host':>10s}"
     print(head + "\n" + "-" * len(head))
     for L in parse_lengths(args.lengths):
-        reset_peak(dev)
+        reset_peak(dev)  # the host's too, where it can (Linux): else its column is the process's peak
         state = model.new_state(offload=args.offload)
         g = torch.Generator(device=dev).manual_seed(L)
         t0 = time.time()
@@ -291,24 +319,42 @@ def bench_long(args, dev):
         dt = time.time() - t0
         kv = state.store.nbytes()
         del state  # before the next length allocates its own memory
-        print(f"{fmt_len(L):>7s} | {dt:8.1f} {L / dt:10,.0f} | {peak_gpu(dev):8.2f}G "
-              f"{kv / 2**30:9.2f}G {kv / L:8.0f} {peak_mem_gib():9.1f}G", flush=True)
+        gpu = f"{peak_mem_gib(dev):8.2f}G" if dev.type == "cuda" else f"{'-':>9s}"
+        print(f"{fmt_len(L):>7s} | {dt:8.1f} {L / dt:10,.0f} | {gpu} {kv / 2**30:9.2f}G {kv / L:8.0f} "
+              f"{peak_mem_gib():9.1f}G", flush=True)
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # a default of None hangs on the device: its help says so
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def device_defaults(args, dev):
+    """The sizes left out: the paper's on a GPU, toy ones on a CPU (a smoke run)."""
+    gpu = dev.type == "cuda"
+    for name, full, toy in (("block_size", 16380, TOY_TRAIN["block_size"]), ("model", "{}", repr(TOY_TRAIN["model"])),
+                            ("lengths", "64K,256K,1M", TOY_LENGTHS)):
+        if getattr(args, name) is None:
+            setattr(args, name, full if gpu else toy)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="DRT benchmarks (CUDA): pass --kernel, --train, --long, or several.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=Help)
     p.add_argument("--kernel", action="store_true", help="FlashGCA vs the naive PyTorch GCA: time, TFLOP/s, memory")
-    p.add_argument("--train", action="store_true", help="time training steps of the 146M models")
+    p.add_argument("--train", action="store_true", help="time training steps of the 146M models (toy ones on a CPU)")
     p.add_argument("--long", action="store_true", help="stream long contexts: time and memory vs length")
     p.add_argument("--check", action="store_true", help="--kernel: first compare with an fp32 reference")
     p.add_argument("--sweep", action="store_true", help="--kernel: first tune num_warps/num_stages")
     p.add_argument("--rep", type=int, default=100, help="--kernel: do_bench repetition time, ms")
     p.add_argument("--batch_size", type=int, default=1, help="--train: sequences per step")
-    p.add_argument("--block_size", type=int, default=16380, help="--train: text tokens per sequence")
+    p.add_argument("--block_size", type=int, default=None, help="--train: text tokens per sequence (default: "
+                   f"16380; on a CPU {TOY_TRAIN['block_size']})")
     p.add_argument("--steps", type=int, default=5, help="--train: timed steps per case")
-    p.add_argument("--model", default="{}", help="--train: DRTConfig overrides as a dict, e.g. \"{'n_embd': 64}\"")
-    p.add_argument("--lengths", default="64K,256K,1M", help="--long: context lengths")
+    p.add_argument("--model", default=None, help="--train: DRTConfig overrides as a dict, e.g. \"{'n_embd': 64}\" "
+                   f"(default: none; on a CPU {TOY_TRAIN['model']})")
+    p.add_argument("--lengths", default=None, help="--long: context lengths (default: 64K,256K,1M; on a CPU "
+                   f"{TOY_LENGTHS})")
     p.add_argument("--n_embd", type=int, default=256, help="--long: model width (heads of 64)")
     p.add_argument("--segment", type=int, default=65536, help="--long: prefill segment in tokens")
     p.add_argument("--offload", action="store_true", help="--long: chunk keys/values in pinned host memory")
@@ -316,6 +362,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not (args.kernel or args.train or args.long):
         p.error("nothing to do: pass --kernel, --train, --long, or several")
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device={args.device}: expected cuda, cuda:N or cpu")
+    device_defaults(args, dev)
     for name in ("batch_size", "block_size", "steps", "segment", "rep"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)}: must be >= 1")
@@ -341,10 +392,6 @@ def main(argv=None):
     except (TypeError, ValueError) as e:
         p.error(f"--model={args.model!r}: {e}")
     args.model = overrides
-    try:
-        dev = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"--device={args.device}: expected cuda, cuda:N or cpu")
     if (dev.type == "cuda" or args.kernel) and not torch.cuda.is_available():  # no benchmark ran: not a success
         raise SystemExit("bench.py: error: no CUDA GPU here, so nothing was timed (--train and --long take "
                          "--device=cpu for a smoke run); the kernels' CPU tests, under TRITON_INTERPRET=1: "

@@ -1,9 +1,10 @@
 """
 Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
-formatting, the --lengths parser, GPT-2's tokenizer, a GPU's peak FLOP/s (for MFU) and peak memory, the check that an
-output folder is writable, the checkpoint loader, and train.py's Ctrl-C handling. Not run on its own.
+formatting, the --lengths parser, GPT-2's tokenizer, a prepared dataset's meta.json and .bin files (read and
+checked), a GPU's peak FLOP/s (for MFU) and peak memory, the check that an output folder is writable, the
+checkpoint loader, and train.py's Ctrl-C handling. Not run on its own.
 
-    from common import fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, unwritable
+    from common import check_bin, fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, read_meta
 
 torch is imported inside the functions that use it, so prepare_pg19.py and its worker
 processes, which need only fmt_time, do not load it.
@@ -95,6 +96,58 @@ def max_token_id(tokens, windows=256, width=4096):
     return max(int(tokens[s : s + w].max()) for s in np.linspace(0, len(tokens) - w, windows, dtype=np.int64))
 
 
+def read_meta(folder, fix="prepare the data again"):
+    """folder's meta.json (prepare_pg19.py's, prepare_code.py's) as a dict, or None where there is none; a
+    one-line ValueError naming it and ending in fix where it is no such file (a copy cut short, an edit)."""
+    path = os.path.join(folder, "meta.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}): {fix}") from None
+    except OSError as e:  # a folder of that name, no permission
+        raise ValueError(f"{path} cannot be read ({e.strerror}): {fix}") from None
+    splits = meta.get("splits") if isinstance(meta, dict) else None
+    if not (isinstance(splits, dict) and all(isinstance(m, dict) and type(m.get("tokens", 0)) is int
+                                             for m in splits.values()) and type(meta.get("vocab_size")) is int):
+        raise ValueError(f"{path} is not a meta.json of prepare_pg19.py (it needs vocab_size, and splits with their "
+                         f"token counts): {fix}")
+    return meta
+
+
+def bin_entry(meta, path):
+    """The entry of meta's splits that describes the .bin at path (by its file name), or None."""
+    name = os.path.basename(path)
+    return next((m for split, m in meta["splits"].items() if m.get("file", f"{split}.bin") == name), None)
+
+
+def check_bin(path, vocab=None, fix="prepare the data again"):
+    """The uint16 tokens of a .bin of prepare_pg19.py or prepare_code.py, as a read-only memmap; else a one-line
+    ValueError naming it and ending in fix: missing, empty, an odd number of bytes, a size other than the
+    meta.json beside it lists (a copy cut short, another run's file), or ids >= vocab (on a sample, by
+    max_token_id: another tokenizer's file). vocab None: the meta.json's vocab_size, else GPT-2's."""
+    meta = read_meta(os.path.dirname(path) or ".", fix)
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        said = "not found" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
+        raise ValueError(f"{path} {said}: {fix}") from None
+    listed = (bin_entry(meta, path) or {}).get("tokens") if meta else None
+    if size == 0 or size % 2 or (listed is not None and size != 2 * listed):
+        should = (f"{listed:,} uint16 tokens by its meta.json" if listed is not None
+                  else "not a whole number of uint16 tokens" if size else "no tokens")
+        raise ValueError(f"{path} has {size:,} bytes, {should}: {fix}")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    vocab, whose = ((vocab, f"a vocabulary of {vocab} ids") if vocab else
+                    (meta["vocab_size"], f"vocab_size={meta['vocab_size']} of its meta.json") if meta else
+                    (GPT2_VOCAB, f"GPT-2's {GPT2_VOCAB} ids"))
+    if (top := max_token_id(tokens)) >= vocab:
+        raise ValueError(f"{path} holds token id {top}, outside {whose}: {fix}")
+    return tokens
+
+
 def peak_flops(device):
     """bf16 dense peak FLOP/s of one GPU by its name, or None (a CPU, an unknown GPU: MFU n/a)."""
     import torch
@@ -144,14 +197,34 @@ def stream_memory_error(L, n_embd, chunk_size, device, offload, nbytes):
 
 
 def peak_mem_gib(device="cpu"):
-    """Peak memory in GiB: on a GPU the most torch allocated there (since the last
-    torch.cuda.reset_peak_memory_stats), else this process's peak resident host memory."""
+    """Peak memory in GiB: on a GPU the most torch allocated there (since the last reset_peak_mem), else
+    this process's peak resident host memory (Linux: since the last reset_peak_mem that could reset it)."""
     import torch
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+    try:
+        with open("/proc/self/status") as f:  # VmHWM: what /proc/self/clear_refs resets
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS; never reset
+        return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def reset_peak_mem(device="cpu"):
+    """Start peak_mem_gib(device) afresh -> whether it could: a GPU's allocator statistics always; the host's
+    peak resident memory on Linux alone (clear_refs), else it stays the process's peak since its start."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size (Linux 4.0+)
+        return True
+    except OSError:
+        return False
 
 
 def unwritable(folder):

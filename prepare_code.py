@@ -20,7 +20,8 @@ The documents, so that everyone who builds from the same tree gets the same ones
 linux-source-6.12 (6.12.118) gives 775 documents: train 683, validation 38, test 24 (30 reserved).
 
 Output: <out>/raw/{train,validation,test}/<dir with / as __>.txt and metadata.csv (name, directory),
-then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py writes them.
+then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py writes them. A dataset
+already in --out is kept (the run stops at once, naming it) unless --overwrite.
 """
 import argparse
 import hashlib
@@ -30,7 +31,7 @@ import sys
 import tarfile
 import time
 
-from prepare_pg19 import _print, prepare
+from prepare_pg19 import _print, prepare, refuse_existing
 
 EXCLUDED = ("arch", "tools", "scripts", "samples", "Documentation", "usr", "drivers/gpu/drm/amd/include")
 MAX_FILE = 256 * 1024       # bytes: larger files are generated tables, not code one reads
@@ -79,15 +80,22 @@ def tree_files(source, log=_print):
                 path = os.path.join(root, name)
                 if kept(d) and wanted(name) and not os.path.islink(path) and os.path.getsize(path) <= MAX_FILE:
                     add(d, name, lambda: read_bytes(path))
-    elif os.path.isfile(source) and tarfile.is_tarfile(source):
-        with tarfile.open(source, "r|*") as tar:  # a stream: one pass over the compressed file
-            for m in tar:
-                parts = m.name.strip("/").split("/")
-                d, name = "/".join(parts[1:-1]), parts[-1]  # parts[0]: the archive's top folder
-                if m.isfile() and len(parts) > 2 and kept(d) and wanted(name) and m.size <= MAX_FILE:
-                    add(d, name, lambda: tar.extractfile(m).read())
+    elif not os.path.exists(source):
+        raise FileNotFoundError(f"--source {source} not found: give a Linux source tree, a folder or its .tar.xz")
+    elif not (os.path.isfile(source) and tarfile.is_tarfile(source)):
+        raise ValueError(f"--source {source} is not a valid tar archive (.tar, .tar.xz, .tar.gz): give a Linux "
+                         f"source tree, a folder or its .tar.xz")
     else:
-        raise FileNotFoundError(f"--source {source}: expected a Linux source tree, a folder or a .tar.xz")
+        try:
+            with tarfile.open(source, "r|*") as tar:  # a stream: one pass over the compressed file
+                for m in tar:
+                    parts = m.name.strip("/").split("/")
+                    d, name = "/".join(parts[1:-1]), parts[-1]  # parts[0]: the archive's top folder
+                    if m.isfile() and len(parts) > 2 and kept(d) and wanted(name) and m.size <= MAX_FILE:
+                        add(d, name, lambda: tar.extractfile(m).read())
+        except tarfile.TarError as e:  # is_tarfile read its first member: the rest is cut short or corrupt
+            raise ValueError(f"--source {source} is not a valid tar archive ({e}: cut short?): fetch it again, "
+                             f"or give the unpacked tree") from None
     return files
 
 
@@ -111,28 +119,32 @@ def build(source, raw_dir, log=_print):
     Written beside and swapped in whole: raw_dir never mixes two builds."""
     tree, counts = tree_files(source, log), {"train": 0, "validation": 0, "test": 0, "reserved": 0}
     tmp = raw_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for s in ("train", "validation", "test"):
-        os.makedirs(os.path.join(tmp, s))
     rows = ["_id,directory"]
-    for d in sorted(tree):
-        text = document(d, tree[d])
-        if text is None:
-            continue
-        split = split_of(d)
-        counts[split or "reserved"] += 1
-        if split is None:
-            continue
-        name = d.replace("/", "__")
-        with open(os.path.join(tmp, split, name + ".txt"), "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        rows.append(f"{name},{d}")
-    with open(os.path.join(tmp, "metadata.csv"), "w", encoding="utf-8") as f:
-        f.write("\n".join(rows) + "\n")
-    if not sum(counts.values()):
-        shutil.rmtree(tmp)
-        raise ValueError(f"--source {source}: no directory holds {DOC_MIN // 1024} KiB of .c/.h files: "
-                         f"is it a Linux source tree?")
+    try:
+        for d in sorted(tree):
+            text = document(d, tree[d])
+            if text is None:
+                continue
+            split = split_of(d)
+            counts[split or "reserved"] += 1
+            if split is None:
+                continue
+            if len(rows) == 1:  # the first document: a tree without one leaves no folder behind
+                shutil.rmtree(tmp, ignore_errors=True)
+                for s in ("train", "validation", "test"):
+                    os.makedirs(os.path.join(tmp, s))
+            name = d.replace("/", "__")
+            with open(os.path.join(tmp, split, name + ".txt"), "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+            rows.append(f"{name},{d}")
+        if len(rows) == 1:
+            raise ValueError(f"--source {source}: no directory holds {DOC_MIN // 1024} KiB of .c/.h files: "
+                             f"is it a Linux source tree?")
+        with open(os.path.join(tmp, "metadata.csv"), "w", encoding="utf-8") as f:
+            f.write("\n".join(rows) + "\n")
+    except BaseException:  # an error, Ctrl-C: no half-built copy left beside raw_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(raw_dir, ignore_errors=True)
     os.replace(tmp, raw_dir)
     log("documents: " + ", ".join(f"{s} {n}" for s, n in counts.items()) + f" -> {raw_dir}")
@@ -148,11 +160,15 @@ def main(argv=None):
                    "by file name (a smaller train split for a quick run); default: all")
     p.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default min(8, CPU count))")
     p.add_argument("--tokenizer_file", default=None, help="local GPT-2 BPE ranks file; default: env DRT_GPT2_RANKS")
+    p.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out; without it a run "
+                   "over one stops at once")
     args = p.parse_args(argv)
     if args.max_books is not None and args.max_books < 1:
         raise SystemExit(f"prepare_code.py: error: --max_books={args.max_books}: give a positive number, or leave it out")
     t0, raw = time.time(), os.path.join(args.out, "raw")
     try:
+        if not args.overwrite:
+            refuse_existing(args.out)  # before build replaces raw/
         build(args.source, raw)
         meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books)
     except (OSError, ValueError, RuntimeError, tarfile.TarError) as e:

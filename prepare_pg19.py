@@ -16,6 +16,10 @@ metadata.csv (id,title,year,url; the real one has no header row).
 so a download fetches those books and lists only the first page(s). Reruns
 are cheap: files already downloaded whole are skipped.
 
+A dataset already in --out (its meta.json) is kept: a run over it stops at
+once, naming what is there; --overwrite replaces it (with --splits, those
+splits alone).
+
 Output in --out: train.bin, val.bin, test.bin (uint16 GPT-2 ids, each book
 followed by <|endoftext|> = 50256) and meta.json: per split ("train", "val",
 "test") the numbers of books and tokens and the book offsets
@@ -42,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
-from common import EOT, GPT2_VOCAB, RANKS_URL, fmt_time, get_tokenizer, unwritable  # noqa: F401 (re-exported)
+from common import EOT, GPT2_VOCAB, RANKS_URL, fmt_time, get_tokenizer, read_meta, unwritable  # noqa: F401 (re-exported)
 
 SPLITS = {"train": "train", "validation": "val", "test": "test"}  # PG19 folder -> output name
 BUCKET_API = "https://storage.googleapis.com/storage/v1/b/deepmind-gutenberg/o"
@@ -251,13 +255,19 @@ def tokenize_split(books, path, pool, log=_print, name=""):
     return {"books": len(books), "tokens": n_tok, "offsets": offsets}
 
 
-def read_meta(meta_path):
-    """The meta.json of an earlier run ({} if none, or unreadable: then this run starts afresh)."""
-    try:
-        with open(meta_path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+def split_said(name, m):
+    """'train 6,560,000 tokens in 20 books': a split of a meta.json, as much of it as it says."""
+    books = f" in {m['books']:,} book" + "s" * (m["books"] != 1) if "books" in m else ""
+    return f"{name} {m['tokens']:,} tokens{books}" if "tokens" in m else name
+
+def refuse_existing(out_dir):
+    """A ValueError, in one line that says what out_dir holds, if it holds a prepared dataset (a meta.json,
+    readable or not): main calls it before any work, unless --overwrite."""
+    meta = read_meta(out_dir, f"pass --overwrite to replace the dataset in {out_dir}, or another --out")
+    if meta is not None:
+        held = ", ".join(split_said(name, m) for name, m in meta["splits"].items()) or "no splits"
+        raise ValueError(f"{out_dir} already holds a dataset ({held}, by its meta.json): pass --overwrite to "
+                         f"replace it, or another --out")
 
 def swap_in(meta, meta_path, bins):
     """Put a finished run in place: meta written under a temporary name, then meta.json out first,
@@ -293,7 +303,10 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     ranks_file = ranks_file or os.environ.get("DRT_GPT2_RANKS")
     _init_worker(ranks_file)  # fail fast on a tokenizer problem, before starting workers
     meta_path = os.path.join(out_dir, "meta.json")
-    old = read_meta(meta_path)
+    try:
+        old = read_meta(out_dir) or {}
+    except ValueError:  # unreadable: this run starts afresh (main refuses it without --overwrite)
+        old = {}
     tmp = {s: os.path.join(out_dir, SPLITS[s] + ".bin.tmp") for s in splits}
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     pool = mp.Pool(num_proc, initializer=_init_worker, initargs=(ranks_file, True)) if num_proc > 1 else None
@@ -338,6 +351,8 @@ def main(argv=None):
     p.add_argument("--splits", default="train,validation,test", help="comma-separated PG19 splits to prepare")
     p.add_argument("--max_books", type=int, default=None, help="only the first N books of each split, by file "
                    "name as the bucket lists them (downloads only those); default: all")
+    p.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out (with --splits: "
+                   "those splits, the others kept); without it a run over one stops at once")
     args = p.parse_args(argv)
     splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
     if not splits or any(s not in SPLITS for s in splits):
@@ -350,6 +365,8 @@ def main(argv=None):
             raise SystemExit(f"prepare_pg19.py: error: --{name}={n}: must be >= 1")
     t0 = time.time()
     try:
+        if not args.overwrite:
+            refuse_existing(args.out)  # before any download or tokenizing
         get_tokenizer(args.tokenizer_file)  # before a long download, not after
         source = args.source
         if source is None:

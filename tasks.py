@@ -31,7 +31,6 @@ Scoring (sample.py): score, and for the test table's other columns in_reach, nee
 
 import functools
 import itertools
-import json
 import math
 import os
 import random
@@ -40,7 +39,7 @@ import re
 import numpy as np
 import torch
 
-from common import GPT2_VOCAB, get_tokenizer, max_token_id
+from common import GPT2_VOCAB, check_bin, get_tokenizer, max_token_id, read_meta
 from model import window_reach
 
 TASKS = ("passkey", "multikey", "vartrack")
@@ -314,32 +313,24 @@ class TaskRows:
 
 class TextRows:
     """train.py's batches of a prepared text dataset (data_dir/train.bin, val.bin of prepare_pg19.py):
-    random windows, with copy rows mixed into training (c: train.py's config). ValueError
-    or OSError where the data is missing, shorter than a row, or of another vocabulary."""
+    random windows, with copy rows mixed into training (c: train.py's config). ValueError where the
+    data is missing, cut short (common.check_bin), shorter than a row, or of another vocabulary."""
 
     def __init__(self, c):
         data_dir = c.data_dir or os.path.join("data", c.dataset)
         prepare = (f"python prepare_code.py --source linux/usr/src/linux-source-6.12.tar.xz --out {data_dir}"
                    if c.dataset == "code" else f"python prepare_pg19.py --source /path/to/pg19 --out {data_dir}")
-        if not os.path.isfile(os.path.join(data_dir, "meta.json")):  # prepare_pg19.py writes it last
+        fix = f"prepare the data again, e.g. {prepare} --overwrite"
+        if (meta := read_meta(data_dir, fix)) is None:  # prepare_pg19.py writes it last
             raise ValueError(f"{data_dir}/meta.json not found: prepare the data first, e.g. {prepare} "
                              f"(or --dataset={'|'.join(TASKS)})")
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            meta = json.load(f)
         self.c, self.vocab, self.splits, self.reach = c, meta["vocab_size"], {}, window_reach(c)
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
-            size, listed = os.path.getsize(path), meta["splits"].get(split, {}).get("tokens")
-            if size % 2 or (listed is not None and size != 2 * listed):  # a copy cut short, or another run's file
-                should = f"{listed:,} uint16 tokens by its meta.json" if listed is not None else "not a whole number of uint16 tokens"
-                raise ValueError(f"{path} has {size:,} bytes, {should}: prepare the data again, e.g. {prepare}")
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            tokens = check_bin(path, fix=fix)  # whole, as its meta.json lists it, of its vocabulary
             if len(tokens) < c.block_size + 1:
                 raise ValueError(f"{path} has {len(tokens):,} tokens, fewer than block_size+1={c.block_size + 1:,}; "
                                  f"lower --block_size")
-            if (top := max_token_id(tokens)) >= self.vocab:  # on a sample: the ids of another tokenizer?
-                raise ValueError(f"{path} holds token id {top}, outside vocab_size={self.vocab} of its meta.json: "
-                                 f"prepare the data again, e.g. {prepare}")
             self.splits[split] = (path, len(tokens))
 
     def batch(self, split, rng, training):

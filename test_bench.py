@@ -1,14 +1,18 @@
 """
-Tests of bench.py: with nothing to do, or nothing it can do, it says so and fails.
+Tests of bench.py: with nothing to do, or nothing it can do, it says so and fails; on a CPU its smoke
+run is toy-sized and prints every model's row.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import common
-from conftest import rel_err
+from conftest import HERE, rel_err
 from model import DRTConfig, gca_reference
 
 # -----------------------------------------------------------------------------
@@ -89,3 +93,31 @@ def test_bench_kernel_inputs():
     assert q.shape == do.shape == (2, 5, 8, 2, 16) and k.shape == v.shape == (2, 5, 8, 2, 16) and idx.shape == (2, 5, 3)
     assert (idx[:, 1:, 0] == 0).all() and (w[:, 0] == 0).all()  # hot: chunk 0 first; chunk 0 has nothing to pick
     assert rel_err(bench.gca_naive(q, k, v, idx, w), gca_reference(q, k, v, idx, w)) < 1e-5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS caps a process's memory on Linux")
+def test_bench_cpu_smoke_run():
+    """bench.py --train --long --device=cpu, as --help offers it: toy sizes (within 4 GiB of address space and
+    two minutes; the paper's sizes took 24 GB and were killed), a row for every model --train times, a line
+    saying why the compiled and Triton rows are not run, and peak memory the host's (not nan)."""
+    import bench
+    limit = 4 * 2**30
+
+    def cap():
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    run = subprocess.run([sys.executable, "bench.py", "--train", "--long", "--device=cpu"], cwd=HERE, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, preexec_fn=cap)
+    out = run.stdout
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "nan" not in out.lower(), out
+    rows = re.findall(r"^(DRT x\d|baseline) +(\S+) +(yes|no) +[\d.]+M +1 x (\d+) +\| +[\d.]+ +[\d,]+ +n/a +([\d.]+)G ",
+                      out, re.M)  # model, GCA, compile, T, peak memory
+    assert sorted(name for name, *_ in rows) == sorted({name for name, *_ in bench.TRAIN_CASES}), out
+    assert all(compiled == "no" and gca in ("torch", "-") for _, gca, compiled, _, _ in rows), out
+    assert all(0 < float(peak) < limit / 2**30 for *_, peak in rows), out
+    assert all(int(T) == bench.TOY_TRAIN["block_size"] for *_, T, _ in rows), out
+    why = [line for line in out.splitlines() if line.startswith("cpu: ")]
+    assert len(why) == 1 and "torch.compile" in why[0] and "Triton" in why[0], out
+    lengths = re.findall(r"^ +(\w+) \| +[\d.]+ +[\d,]+ \| +- +[\d.]+G +\d+ +([\d.]+)G$", out, re.M)
+    assert [n for n, _ in lengths] == bench.TOY_LENGTHS.split(",") and all(float(h) > 0 for _, h in lengths), out

@@ -219,7 +219,8 @@ def test_prepare_errors(tmp_path, monkeypatch):
             prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "out"), flag])
     with pytest.raises(SystemExit, match=r"^prepare_pg19.py: error: GPT-2 ranks file .*README.md \(from "
                                          r"--tokenizer_file or DRT_GPT2_RANKS\) is not a tiktoken ranks file"):
-        prepare_pg19.main(["--source", str(src), "--tokenizer_file", os.path.join(HERE, "README.md")])
+        prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "out"), "--tokenizer_file",
+                           os.path.join(HERE, "README.md")])
 
     with pytest.raises(SystemExit, match="no_such_dir"):  # the CLI turns errors into one clear line
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
@@ -239,7 +240,7 @@ def test_prepare_ctrl_c(tmp_path, monkeypatch):
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as from a terminal (a background job ignores it)
             "def _encode_book(path):\n    time.sleep(0.5)\n    return encode(path)\n"
             "_encode_book.__module__ = 'prepare_pg19'\np._encode_book = _encode_book\np.main(sys.argv[1:])")
-    proc = start_run([sys.executable, "-c", slow, "--source", str(src), "--out", str(out), "--num_proc=2"])
+    proc = start_run([sys.executable, "-c", slow, "--source", str(src), "--out", str(out), "--num_proc=2", "--overwrite"])
     try:
         read_until(proc.stdout, r"check: ")  # then 5 s of tokenizing
         os.killpg(proc.pid, signal.SIGINT)
@@ -270,7 +271,7 @@ def test_prepare_failed_rerun_keeps_old_dataset(tmp_path, monkeypatch):
     assert lines and all(line.startswith("check:") for line in lines)  # checked, nothing tokenized
     assert _files(out) == before  # bit-identical, no temp files
     with pytest.raises(SystemExit, match="99.txt"):
-        prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1"])
+        prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1", "--overwrite"])
     assert _files(out) == before
 
     # interrupted (Ctrl-C) while tokenizing test/: the old dataset stays, the temp files go
@@ -302,6 +303,34 @@ def test_prepare_failed_rerun_keeps_old_dataset(tmp_path, monkeypatch):
     after = _files(out)
     assert sorted(after) == ["test.bin", "train.bin", "val.bin"]  # incomplete: no meta.json, no temp files
     assert after["test.bin"] == before["test.bin"] and after["train.bin"] != before["train.bin"]
+
+
+def test_prepare_keeps_a_dataset(tmp_path, monkeypatch, fake_bucket):
+    """A run over a prepared dataset stops before any work (no listing, no download), in one line that says
+    what is there (its meta.json's counts) and how to go on; --overwrite replaces it. A meta.json that is
+    not JSON is named, not read past."""
+    tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {i: f"Train book {i}. " * 50 for i in (1, 2, 3)}, "validation": {4: "v", 6: "w"},
+                       "test": {5: "t", 7: "u"}})
+    prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1"])
+    before, meta = _files(out), json.loads((out / "meta.json").read_text())
+    held = ", ".join(f"{n} {m['tokens']:,} tokens in {m['books']} books" for n, m in meta["splits"].items())
+    kw, fetched, listed = fake_bucket({"train/1.txt": b"x", "validation/4.txt": b"v", "test/5.txt": b"t"})
+    download = prepare_pg19.download_pg19
+    monkeypatch.setattr(prepare_pg19, "download_pg19", lambda *a, **k: download(*a, **k, **kw))
+    for argv in (["--source", str(src), "--max_books=1"], ["--raw_dir", str(tmp_path / "raw"), "--max_books=1"]):
+        with pytest.raises(SystemExit) as e:
+            prepare_pg19.main([*argv, "--out", str(out), "--num_proc=1"])
+        assert str(e.value) == (f"prepare_pg19.py: error: {out} already holds a dataset ({held}, by its meta.json): "
+                                f"pass --overwrite to replace it, or another --out")
+    assert listed == fetched == [] and not (tmp_path / "raw").exists() and _files(out) == before
+    (out / "meta.json").write_text((out / "meta.json").read_text()[:40])  # a copy cut short
+    with pytest.raises(SystemExit, match=rf"^prepare_pg19.py: error: {re.escape(str(out / 'meta.json'))} is not valid "
+                                         rf"JSON \(.*\): pass --overwrite to replace the dataset in .*out, or another --out$"):
+        prepare_pg19.main(["--source", str(src), "--out", str(out), "--max_books=1"])
+    prepare_pg19.main(["--source", str(src), "--out", str(out), "--max_books=1", "--num_proc=1", "--overwrite"])
+    assert json.loads((out / "meta.json").read_text())["splits"]["train"]["books"] == 1
 
 
 @pytest.fixture
@@ -414,7 +443,7 @@ def test_download_max_books_then_prepare(tmp_path, monkeypatch, capsys, fake_buc
     assert "train: 2/2 books" in log and "done in" in log
 
     fetched.clear()
-    prepare_pg19.main(argv)
+    prepare_pg19.main([*argv, "--overwrite"])
     assert fetched == []
     assert "download: 6 files listed, 6 already present, 0 to fetch" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
@@ -492,8 +521,53 @@ def test_code_corpus_builder(tmp_path):
     assert again == written and not (tmp_path / "raw.tmp").exists()
     with pytest.raises(ValueError, match="no directory holds 200 KiB"):
         pc.build(str(tmp_path / "kernel"), str(tmp_path / "raw2"), log=lambda s: None)
-    with pytest.raises(FileNotFoundError, match="expected a Linux source tree"):
+    with pytest.raises(FileNotFoundError, match="nope not found"):
         pc.build(str(tmp_path / "nope"), str(tmp_path / "raw2"), log=lambda s: None)
+
+
+def test_code_corpus_errors(tmp_path, monkeypatch):
+    """prepare_code.py's --source errors say what is wrong (not found; not a valid archive, or one cut short)
+    and leave no output folder behind; a dataset already in --out is kept: the run stops before building,
+    and with --overwrite a failed build keeps it too."""
+    import random
+    import tarfile
+
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    out = tmp_path / "out"
+
+    def error(source, *extra):
+        with pytest.raises(SystemExit) as e:
+            pc.main(["--source", str(source), "--out", str(out), "--num_proc=1", *extra])
+        assert "\n" not in str(e.value)
+        return str(e.value)
+    nope = tmp_path / "nope.tar.xz"
+    assert error(nope) == f"prepare_code.py: error: --source {nope} not found: give a Linux source tree, a folder or its .tar.xz"
+    (tmp_path / "text.tar.xz").write_text("not xz at all")
+    assert re.match(r"prepare_code.py: error: --source .*text.tar.xz is not a valid tar archive", error(tmp_path / "text.tar.xz"))
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    (tmp_path / "linux/kernel/a").mkdir(parents=True)
+    for name in ("x.c", "y.c"):  # random text: it does not compress, so half the archive holds half the tree
+        (tmp_path / "linux/kernel/a" / name).write_text("".join(rng.choice("abcdefgh \n") for _ in range(250_000)))
+    with tarfile.open(tmp_path / "linux.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "linux", arcname="linux")
+    whole = (tmp_path / "linux.tar.xz").read_bytes()
+    (tmp_path / "cut.tar.xz").write_bytes(whole[: len(whole) // 2])
+    assert re.match(r"prepare_code.py: error: --source .*cut.tar.xz is not a valid tar archive \(.*: cut short\?\)",
+                    error(tmp_path / "cut.tar.xz"))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs/README").write_text("no C here")
+    assert "no directory holds 200 KiB of .c/.h files" in error(tmp_path / "docs")
+    assert not out.exists()  # none of these made the output folder
+
+    src = tmp_path / "books"
+    _write_books(src, {"train": {1: "a book"}, "validation": {2: "b"}, "test": {3: "c"}})
+    prepare_pg19.prepare(str(src), str(out), num_proc=1, log=lambda s: None)
+    before = _files(out)
+    assert re.match(rf"prepare_code.py: error: {re.escape(str(out))} already holds a dataset \(train \d+ tokens in 1 book, "
+                    r".*\): pass --overwrite to replace it, or another --out$", error(tmp_path / "linux.tar.xz"))
+    assert "no directory holds" in error(tmp_path / "docs", "--overwrite")  # past the check, to the build's error
+    assert _files(out) == before
 
 
 def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):

@@ -167,6 +167,57 @@ def test_data_sizes_checked_against_meta(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_data_meta_unreadable(tmp_path):
+    """A meta.json cut short, or JSON that is no meta.json of prepare_pg19.py: one line naming it and how to
+    prepare the data again (--overwrite: its folder holds a dataset), before anything is built."""
+    data = Path(tiny_dataset(tmp_path / "data"))
+    text = (data / "meta.json").read_text()
+    for bad in (text[: len(text) // 2], "[]", json.dumps({"vocab_size": 95}), text.replace("95", '"95"')):
+        (data / "meta.json").write_text(bad)
+        with pytest.raises(train.ConfigError) as e:
+            train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+        msg = str(e.value)
+        assert msg.startswith(f"{data / 'meta.json'} is not ") and "\n" not in msg, msg
+        assert msg.endswith(f": prepare the data again, e.g. python prepare_pg19.py --source /path/to/pg19 "
+                            f"--out {data} --overwrite"), msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_bin(tmp_path):
+    """common.check_bin, the one check of a .bin (train.py's data, sample.py's documents): the tokens as a
+    memmap, else one line naming the file: missing, empty, odd-sized, cut short by its meta.json's count, or
+    with ids past the vocabulary (meta.json's, else GPT-2's)."""
+    data = Path(tiny_dataset(tmp_path / "data"))
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"] = {"train": {"file": "train.bin", "tokens": 5000}}
+    (data / "meta.json").write_text(json.dumps(meta))
+    train_bin = data / "train.bin"
+    tokens = common.check_bin(str(train_bin))
+    assert isinstance(tokens, np.memmap) and tokens.tolist() == np.fromfile(train_bin, np.uint16).tolist()
+    whole = train_bin.read_bytes()
+    for cut, n in [(whole[:8000], "8,000"), (b"", "0")]:
+        said = f"{n} bytes, 5,000 uint16 tokens by its meta.json"
+        train_bin.write_bytes(cut)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(train_bin))} has {said}: do this$"):
+            common.check_bin(str(train_bin), fix="do this")
+    with pytest.raises(ValueError, match=r"^.*nothing.bin not found: prepare the data again$"):
+        common.check_bin(str(data / "nothing.bin"))
+    (data / "val.bin").write_bytes((data / "val.bin").read_bytes() + b"x")  # not in meta.json: its evenness checked
+    with pytest.raises(ValueError, match=r"val.bin has 2,001 bytes, not a whole number of uint16 tokens"):
+        common.check_bin(str(data / "val.bin"))
+    alone = tmp_path / "alone.bin"  # no meta.json beside it: GPT-2's vocabulary
+    np.array([5, 50256, 7], np.uint16).tofile(alone)
+    assert common.check_bin(str(alone)).tolist() == [5, 50256, 7]
+    np.array([5, 50257, 7], np.uint16).tofile(alone)
+    with pytest.raises(ValueError, match=r"alone.bin holds token id 50257, outside GPT-2's 50257 ids"):
+        common.check_bin(str(alone))
+    train_bin.write_bytes(whole)  # train.py says the same of an empty val.bin, before anything is built
+    (data / "val.bin").write_bytes(b"")
+    with pytest.raises(train.ConfigError, match=r"val.bin has 0 bytes, no tokens: prepare the data again"):
+        train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_setup_errors(tmp_path):
     with pytest.raises(train.ConfigError, match=r"meta.json not found: prepare the data first, e.g. python prepare_pg19.py"):
         train.main([*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'out'}"])
