@@ -15,7 +15,6 @@ before the model is built.
 """
 
 import argparse
-import json
 import math
 import os
 import random
@@ -117,13 +116,11 @@ PPL_SEGMENT = 4096  # --ppl holds one segment's (segment, vocab) logits at a tim
 
 
 def book_names(path):
-    """The ids of a .bin's books (a PG19 number, a code directory) from the meta.json beside it, else []."""
-    try:
-        with open(os.path.join(os.path.dirname(path), "meta.json")) as f:
-            splits = json.load(f)["splits"].values()
-        return next([str(o[0]) for o in m["offsets"]] for m in splits if m["file"] == os.path.basename(path))
-    except (OSError, ValueError, KeyError, StopIteration):
-        return []
+    """The ids of a .bin's books (a PG19 number, a code directory) from the meta.json beside it, else []
+    (check_bin has read that meta.json: a corrupt one is already an error)."""
+    meta = common.read_meta(os.path.dirname(path) or ".")
+    entry = common.bin_entry(meta, path) if meta else None
+    return [str(o[0]) for o in entry.get("offsets", [])] if entry else []
 
 
 def read_docs(path, enc, max_tokens=None):
@@ -139,7 +136,10 @@ def read_docs(path, enc, max_tokens=None):
     docs = []
     for f in files:
         if f.endswith(".bin"):
-            ids = np.fromfile(f, dtype=np.uint16).astype(np.int64)
+            try:  # a file cut short, or another tokenizer's, is refused by name (as train.py refuses it)
+                ids = np.asarray(common.check_bin(f, fix="prepare it again, or pass another --docs")).astype(np.int64)
+            except ValueError as e:
+                error(f"--docs: {e}")
             books = np.split(ids, np.flatnonzero(ids == EOT) + 1)  # each book ends with its <|endoftext|>
             names = book_names(f) + [""]  # the empty piece after the last <|endoftext|>
             if len(names) != len(books):  # no meta.json beside it, or not this file's

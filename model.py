@@ -562,7 +562,7 @@ class DRT(nn.Module):
     def check_input(self, idx, targets):
         cfg = self.config
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32) or idx.size(1) == 0:  # T=0: nothing to read
-            raise ValueError(f"idx must be a (B, T) integer tensor of token ids, T >= 1, got {tuple(idx.shape)} {idx.dtype}")
+            raise ValueError(f"idx must be a (B, T) integer tensor of token ids, T >= 1 (not T=0), got {tuple(idx.shape)} {idx.dtype}")
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
         if not torch.compiler.is_compiling():

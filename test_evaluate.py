@@ -235,15 +235,20 @@ def test_plots(tmp_path, monkeypatch, capsys):
 def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
     """Every bad argument is one line before the model runs: a --plot into a folder that cannot be made or
     written (not after minutes of evaluation), --ppl and --inspect together, --doc without --inspect or naming
-    no document; --doc picks --inspect's document by name or index, and --inspect --plot's title names it."""
+    no document, a .bin cut short or of odd size (train.py's check); --doc picks --inspect's document by name
+    or index, and --inspect --plot's title names it."""
     import evaluate
     tokenizer_or_skip(monkeypatch)
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", window=64)
     rng = np.random.default_rng(0)
     books = [rng.integers(0, 50256, n) for n in (700, 900)]
     np.concatenate([books[0], [prepare_pg19.EOT], books[1], [prepare_pg19.EOT]]).astype(np.uint16).tofile(tmp_path / "t.bin")
-    (tmp_path / "meta.json").write_text(json.dumps({"splits": {"test": {"file": "t.bin", "offsets": [
-        ["730", 0, 700], ["1260", 700, 900]]}}}))
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50257, "splits": {"test": {"file": "t.bin",
+        "tokens": 1602, "offsets": [["730", 0, 700], ["1260", 700, 900]]}}}))
+    (tmp_path / "odd.bin").write_bytes(b"abc")  # 3 bytes: not uint16 tokens
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "meta.json").write_text((tmp_path / "meta.json").read_text())
+    (tmp_path / "cut" / "t.bin").write_bytes((tmp_path / "t.bin").read_bytes()[:1000])  # a copy cut short
     run = [f"--ckpt={ckpt}", f"--docs={tmp_path / 't.bin'}", "--device=cpu"]
     ran = []
     monkeypatch.setattr(evaluate, "doc_nll", lambda *a, **k: ran.append(1))
@@ -254,6 +259,9 @@ def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
         (["--inspect", "--doc=999"], r"--doc=999: .*t.bin has no document of that name, and 2 by index \(0-1\): "
                                      r"give one of 730, 1260"),
         (["--ppl", "--haystack=x"], r"--haystack is the text of --copying's spans: add --copying"),
+        (["--ppl", f"--docs={tmp_path / 'odd.bin'}"], r"--docs: .*odd.bin has 3 bytes, not a whole number of uint16"),
+        (["--ppl", f"--docs={tmp_path / 'cut' / 't.bin'}"], r"--docs: .*t.bin has 1,000 bytes, 1,602 uint16 tokens by its "
+                                                             r"meta.json: prepare it again, or pass another --docs"),
     ]:
         if "plot" in argv[-1]:
             pytest.importorskip("matplotlib")

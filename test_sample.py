@@ -13,7 +13,7 @@ import torch
 
 import common
 import train
-from conftest import tiny_args, tiny_checkpoint, tiny_config, tokenizer_or_skip
+from conftest import tiny_args, tiny_checkpoint, tiny_config, tiny_model, tokenizer_or_skip, tokens
 from model import DRT, insert_landmarks
 
 # -----------------------------------------------------------------------------
@@ -374,6 +374,16 @@ def test_haystack_mix(tmp_path, monkeypatch):
     assert rows[0.0] == 0 and rows[1.0] == 16 and 3 <= rows[0.5] <= 13
 
 
+def test_generate_odd_prompt():
+    """sample.generate: prompts prefilled in segments that cut chunks, then one token at a time; never the
+    landmark or a padding id."""
+    import sample
+    model = tiny_model(dtype=torch.float32).eval()
+    for T in (1, 13, 50):
+        out = sample.generate(model, tokens(model.config, 1, T, seed=T), 10, temperature=1.0, top_k=5, prefill_segment=9)
+        assert out.shape == (1, 10) and (out < model.config.landmark_id).all()
+
+
 def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     import sample
     tokenizer_or_skip(monkeypatch)
@@ -559,8 +569,8 @@ def test_sample_haystack_read_once(tmp_path, monkeypatch, capsys):
 def test_sample_top_k_zero_is_off(tmp_path, monkeypatch):
     import sample
     tokenizer_or_skip(monkeypatch)
-    seen, generate = [], DRT.generate
-    monkeypatch.setattr(DRT, "generate", lambda self, *a, **kw: seen.append(a[3]) or generate(self, *a, **kw))
+    seen, generate = [], sample.generate
+    monkeypatch.setattr(sample, "generate", lambda model, *a, **kw: seen.append(a[3]) or generate(model, *a, **kw))
     sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Hi", "--max_new_tokens=3", "--top_k=0",
                  "--device=cpu"])
     assert seen == [None]  # sample among all tokens
