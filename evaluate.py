@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import common
 from common import EOT, GPT2_VOCAB, fmt_len, get_tokenizer, retrieval_stats, sink_label
 from model import window_reach
-from sample import Progress, as_batch, build_model, load_haystack, prefill, read_checkpoint
+from sample import Progress, as_batch, build_model, load_haystack, prefill, read_checkpoint, shared_args
+from sample import shared_problems
 
 
 def error(msg):
@@ -321,30 +322,18 @@ def plot_picks(records, cfg, path, what):
 
 def check_args(args):
     """The arguments that need no file, in order: the first wrong one is the error."""
-    try:
-        device = torch.device(args.device)
-        kind, index = device.type, device.index or 0
-    except RuntimeError:
-        kind = index = None
-    gpus, modes = torch.cuda.device_count(), (args.retrieval or "learned").split(",")
     for bad, msg in [
         (args.ppl + args.inspect + args.copying != 1, "give one of --ppl, --inspect, --copying"),
-        (args.segment < 1, f"--segment={args.segment}: must be >= 1"),
         (args.samples < 1, f"--samples={args.samples}: must be >= 1"),
-        (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
-        (kind == "cuda" and not torch.cuda.is_available(), f"--device={args.device}: no CUDA GPU here: pass --device=cpu"),
-        (kind == "cuda" and index >= gpus, f"--device={args.device}: this machine has {gpus} GPU(s), numbered from 0"),
-        (kind == "cpu" and args.dtype != "float32",
-         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
+        *shared_problems(args),
         ((args.ppl or args.inspect) and not args.docs,
          "--ppl and --inspect read documents: add --docs=PATH (a folder of .txt, a .txt, or a .bin)"),
         (args.max_tokens is not None and args.max_tokens < 2, f"--max_tokens={args.max_tokens}: must be >= 2"),
         (args.doc is not None and not args.inspect, "--doc chooses --inspect's document: --ppl reads them all"),
         (args.haystack and not args.copying, "--haystack is the text of --copying's spans: add --copying"),
         (args.plot and args.copying, "--plot draws --ppl's curves or --inspect's picks, not --copying"),
-        (args.plot and args.inspect and len(modes) > 1, "--inspect --plot draws one retrieval mode: give one --retrieval"),
-        (any(m not in ("learned", "random", "none") for m in modes),
-         f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")]:
+        (args.plot and args.inspect and "," in (args.retrieval or ""),
+         "--inspect --plot draws one retrieval mode: give one --retrieval")]:
         if bad:
             error(msg)
     if args.plot:
@@ -354,21 +343,9 @@ def check_args(args):
 
 
 def arg_parser():
-    p = argparse.ArgumentParser(description="Evaluate a DRT checkpoint as a language model over long documents.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out_dir", default="out", help="folder with ckpt.pt from train.py")
-    p.add_argument("--ckpt", default=None, help="path to a checkpoint file (overrides --out_dir)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda, cuda:1, ... (default: %(default)s here, cuda where there is a GPU)")
-    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
-                   choices=["float32", "bfloat16", "float16"],
-                   help="autocast dtype on CUDA (default: %(default)s here, bfloat16 where there is a GPU)")
-    p.add_argument("--seed", type=int, default=1337, help="random seed (--copying's spans)")
-    p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (None: env DRT_GPT2_RANKS or download)")
-    p.add_argument("--segment", type=int, default=65536, help="stream segment in tokens (memory vs speed)")
-    p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
-    p.add_argument("--retrieval", default=None,
-                   help="learned, random, none (the window alone), or a comma list, each in turn (None: as trained)")
+    p = shared_args(argparse.ArgumentParser(description="Evaluate a DRT checkpoint as a language model over long "
+                                            "documents.", formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+                    "--copying's spans")
     p.add_argument("--ppl", action="store_true", help="perplexity by position over --docs")
     p.add_argument("--inspect", action="store_true", help="what each group retrieved for the chunk at token --at")
     p.add_argument("--copying", action="store_true",

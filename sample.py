@@ -289,24 +289,35 @@ def depth_bins(text):
     return bins if all(b == "reach" or 0 <= b <= 1 for b in bins) else None
 
 
-def check_args(args):
-    """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
+def shared_problems(args):
+    """[(wrong, message)] of the arguments sample.py and evaluate.py share (shared_args): the stream segment,
+    the device, the dtype and the retrieval modes."""
     try:
         device = torch.device(args.device)
         kind, index = device.type, device.index or 0
     except RuntimeError:
         kind = index = None
     gpus = torch.cuda.device_count()
-    for bad, msg in [
+    return [
         (args.segment < 1, f"--segment={args.segment}: must be >= 1"),
+        (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
+        (kind == "cuda" and not torch.cuda.is_available(), f"--device={args.device}: no CUDA GPU here: pass --device=cpu"),
+        (kind == "cuda" and index >= gpus, f"--device={args.device}: this machine has {gpus} GPU(s), numbered from 0"),
+        (kind == "cpu" and args.dtype != "float32",
+         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
+        (any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")),
+         f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")]
+
+
+def check_args(args):
+    """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
+    for bad, msg in [
         (args.samples < 1, f"--samples_per_length={args.samples}: must be >= 1"),
         (args.num_samples < 1, f"--num_samples={args.num_samples}: must be >= 1"),
         (args.max_new_tokens < 1, f"--max_new_tokens={args.max_new_tokens}: must be >= 1"),
         (not args.temperature >= 0, f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)"),
         (args.top_k < 0, f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)"),
-        (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
-        (kind == "cuda" and not torch.cuda.is_available(), f"--device={args.device}: no CUDA GPU here: pass --device=cpu"),
-        (kind == "cuda" and index >= gpus, f"--device={args.device}: this machine has {gpus} GPU(s), numbered from 0"),
+        *shared_problems(args),
         (args.unseen_names and not args.multikey, "--unseen_names: only multi-key has names: add --multikey"),
         (not 2 <= args.keys <= 16 or (args.keys != 4 and not args.multikey),
          f"--keys={args.keys}: multi-key's needle count, 2 to 16 (4 as trained): use it with --multikey"),
@@ -316,11 +327,7 @@ def check_args(args):
         (args.depth and args.vartrack,
          "--depth: 2-hop's needles keep their order (a variable is set before it is copied): drop --vartrack"),
         (depth_bins(args.depth) is None,
-         f"--depth={args.depth}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9"),
-        (any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")),
-         f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them"),
-        (kind == "cpu" and args.dtype != "float32",
-         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype")]:
+         f"--depth={args.depth}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9")]:
         if bad:
             error(msg)
 
@@ -336,9 +343,8 @@ def load_haystack(path, enc):
                          f"for the synthetic filler") from None
 
 
-def arg_parser():
-    p = argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def shared_args(p, seed_help):
+    """The arguments sample.py and evaluate.py share: the checkpoint, device and dtype, the stream."""
     p.add_argument("--out_dir", default="out", help="folder with ckpt.pt from train.py")
     p.add_argument("--ckpt", default=None, help="path to a checkpoint file (overrides --out_dir)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -346,10 +352,19 @@ def arg_parser():
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
                    choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype on CUDA (default: %(default)s here, bfloat16 where there is a GPU)")
-    p.add_argument("--seed", type=int, default=1337, help="random seed (sampling and test prompts)")
+    p.add_argument("--seed", type=int, default=1337, help=f"random seed ({seed_help})")
     p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (None: env DRT_GPT2_RANKS or download)")
-    p.add_argument("--segment", type=int, default=65536, help="prefill segment in tokens (memory vs speed)")
+    p.add_argument("--segment", type=int, default=65536, help="stream segment in tokens (memory vs speed)")
     p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
+    p.add_argument("--retrieval", default=None,
+                   help="learned, random, none (the window alone), or a comma list, each in turn (None: as trained)")
+    return p
+
+
+def arg_parser():
+    p = shared_args(argparse.ArgumentParser(description="Generate from a DRT checkpoint, or run long-context tests.",
+                                            formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+                    "sampling and test prompts")
     gen = p.add_argument_group("generation (without a test flag)")
     gen.add_argument("--prompt", default="\n", help="prompt text, or FILE:path to read it from (default: %(default)r)")
     gen.add_argument("--num_samples", type=int, default=1, help="generations to draw from the prompt")
@@ -373,8 +388,6 @@ def arg_parser():
     test.add_argument("--digits", type=int, default=5, help="digits of every key (3-7)")
     test.add_argument("--no_align", action="store_true",
                       help="let the question's last token fall anywhere in its chunk (trained: it opens one)")
-    test.add_argument("--retrieval", default=None,
-                      help="learned, random, none (the window alone), or a comma list, each in turn (None: as trained)")
     test.add_argument("--haystack", default=None,
                       help="filler of real text: .txt books in a folder, or a prepare_pg19.py .bin (None: sentences)")
     return p
