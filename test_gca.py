@@ -749,22 +749,28 @@ def test_loss_without_grad_makes_no_gradients(monkeypatch):
     torch.testing.assert_close(eval_loss, F.cross_entropy(x @ w.t(), targets))
 
 
-def test_compile_whole_model():
+@pytest.mark.parametrize("form", ["paper", "code_teacher"])
+def test_compile_whole_model(form):
     """torch.compile takes the whole training step as one graph (fullgraph: a break raises) with no
-    warning from the compiler, and computes what eager computes. backend="aot_eager" traces and
-    differentiates as on the GPU, without needing a C++ compiler."""
+    warning from the compiler, and computes what eager computes: the paper's form, and the code recipe's
+    with a teacher's picks handed in. backend="aot_eager" traces and differentiates as on the GPU,
+    without needing a C++ compiler."""
+    import train
     torch._dynamo.reset()
-    model = tiny_model(dtype=torch.float32).train()
-    model.config.gumbel = False  # the same picks in both runs
+    code = dict(gca_sink=False, center_memory=True, read_next=True, pool_tokens=True, softmax_off_by_one=False)
+    model = tiny_model(dtype=torch.float32, gumbel=False, **(code if form == "code_teacher" else {})).train()  # same picks
     idx = tokens(model.config, 2, 5 * 7 + 3, seed=17)
-    targets = torch.roll(idx, -1, 1)
-    _, ref = model(idx, targets, return_logits=False)
+    targets, picks = torch.roll(idx, -1, 1), None
+    if form == "code_teacher":
+        picks = train.teacher_picks(idx, model.config)
+        assert (picks >= 0).any()
+    _, ref = model(idx, targets, return_logits=False, picks=picks)
     ref.backward()
     g_ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, loss = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, targets, return_logits=False)
+        _, loss = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, targets, return_logits=False, picks=picks)
         loss.backward()
     assert not [f"{w.filename}: {w.message}" for w in caught if "torch" in w.filename]
     torch.testing.assert_close(loss, ref)
