@@ -1,8 +1,9 @@
 """
-Small helpers that train.py, sample.py, bench.py and prepare_pg19.py share: time and length
+Small helpers that train.py, sample.py, evaluate.py, bench.py and the prepare scripts share: time and length
 formatting, the --lengths parser, GPT-2's tokenizer, a prepared dataset's meta.json and .bin files (read and
-checked), a GPU's peak FLOP/s (for MFU) and peak memory, the check that an output folder is writable, the
-checkpoint loader, and train.py's Ctrl-C handling. Not run on its own.
+checked), a DRT's FLOPs per token and a GPU's peak FLOP/s (for MFU), peak memory, the check that an output
+folder is writable, the checkpoint loader (which upgrades older checkpoints), train.py's Ctrl-C handling, and
+retrieval's statistics from DRT's record. Not run on its own.
 
     from common import check_bin, fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, read_meta
 
