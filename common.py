@@ -245,13 +245,14 @@ class CheckpointError(Exception):
     """A checkpoint file that cannot be used: one line, which the scripts show without a traceback."""
 
 
-def load_checkpoint(path, fix):
+def load_checkpoint(path, fix, mmap=False):
     """train.py's checkpoint at path, on the CPU, or a one-line CheckpointError ending in fix.
     weights_only: a ckpt.pt holds tensors and plain values (its config as dicts, lists, numbers,
-    strings), so any other object is refused unread, and a file from anywhere runs no code."""
+    strings), so any other object is refused unread, and a file from anywhere runs no code.
+    mmap: the tensors mapped from the file, read when used (its config at once, whatever its size)."""
     import torch
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated zip, a text file, an empty file: each fails its own way
         if isinstance(e, pickle.UnpicklingError) and zipfile.is_zipfile(path):  # whole, but not weights alone
             raise CheckpointError(f"{path} holds Python objects a train.py checkpoint never has (refused: "

@@ -49,7 +49,7 @@ def read_checkpoint(path):
     path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         raise common.CheckpointError(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
-    ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote")
+    ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote", mmap=True)
     try:
         return ckpt, DRTConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
