@@ -24,7 +24,9 @@ then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py
 already in --out is kept (the run stops at once, naming it) unless --overwrite.
 """
 import argparse
+import gzip
 import hashlib
+import lzma
 import os
 import shutil
 import sys
@@ -86,17 +88,34 @@ def tree_files(source, log=_print):
         raise ValueError(f"--source {source} is not a valid tar archive (.tar, .tar.xz, .tar.gz): give a Linux "
                          f"source tree, a folder or its .tar.xz")
     else:
-        try:
-            with tarfile.open(source, "r|*") as tar:  # a stream: one pass over the compressed file
+        try:  # one pass over the stream; lzma and gzip raise EOFError where a file ends before its end marker
+            with decompressed(source) as raw, tarfile.open(fileobj=raw, mode="r|") as tar:
                 for m in tar:
                     parts = m.name.strip("/").split("/")
                     d, name = "/".join(parts[1:-1]), parts[-1]  # parts[0]: the archive's top folder
                     if m.isfile() and len(parts) > 2 and kept(d) and wanted(name) and m.size <= MAX_FILE:
                         add(d, name, lambda: tar.extractfile(m).read())
-        except tarfile.TarError as e:  # is_tarfile read its first member: the rest is cut short or corrupt
+                raw.read()  # to the stream's end: its trailer (check sums, end marker) cut short raises there too
+        except (tarfile.TarError, EOFError, lzma.LZMAError, gzip.BadGzipFile) as e:  # is_tarfile read its first member
             raise ValueError(f"--source {source} is not a valid tar archive ({e}: cut short?): fetch it again, "
                              f"or give the unpacked tree") from None
     return files
+
+
+def decompressed(path):
+    """A .tar, .tar.xz or .tar.gz as a stream of its tar bytes, by its magic number. A plain .tar must end in
+    the two zero blocks of a whole archive: cut at a member's boundary, it would read as a shorter one."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+        f.seek(max(0, os.path.getsize(path) - 1024))
+        whole = f.read() == bytes(1024)
+    if magic == b"\xfd7zXZ\x00":
+        return lzma.open(path)
+    if magic[:2] == b"\x1f\x8b":
+        return gzip.open(path)
+    if not whole:
+        raise EOFError("no end-of-archive blocks")
+    return open(path, "rb")
 
 
 def document(d, files):

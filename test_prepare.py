@@ -545,16 +545,22 @@ def test_code_corpus_errors(tmp_path, monkeypatch):
     assert error(nope) == f"prepare_code.py: error: --source {nope} not found: give a Linux source tree, a folder or its .tar.xz"
     (tmp_path / "text.tar.xz").write_text("not xz at all")
     assert re.match(r"prepare_code.py: error: --source .*text.tar.xz is not a valid tar archive", error(tmp_path / "text.tar.xz"))
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    rng = random.Random(0)
     (tmp_path / "linux/kernel/a").mkdir(parents=True)
-    for name in ("x.c", "y.c"):  # random text: it does not compress, so half the archive holds half the tree
+    for name in ("x.c", "y.c"):  # random text, which compresses little: a cut lands in any part of the tree
         (tmp_path / "linux/kernel/a" / name).write_text("".join(rng.choice("abcdefgh \n") for _ in range(250_000)))
-    with tarfile.open(tmp_path / "linux.tar.xz", "w:xz") as tar:
-        tar.add(tmp_path / "linux", arcname="linux")
-    whole = (tmp_path / "linux.tar.xz").read_bytes()
-    (tmp_path / "cut.tar.xz").write_bytes(whole[: len(whole) // 2])
-    assert re.match(r"prepare_code.py: error: --source .*cut.tar.xz is not a valid tar archive \(.*: cut short\?\)",
-                    error(tmp_path / "cut.tar.xz"))
+    for ext, mode in (("xz", "w:xz"), ("gz", "w:gz"), ("tar", "w")):
+        name = "linux.tar" + ("" if ext == "tar" else f".{ext}")
+        with tarfile.open(tmp_path / name, mode) as tar:
+            tar.add(tmp_path / "linux", arcname="linux")
+        whole = (tmp_path / name).read_bytes()
+        cuts = [int(len(whole) * f) for f in (0.3, 0.5, 0.7)]  # inside a file
+        # where a tar stream alone reads a whole archive: before y.c's header; in the compressed stream's trailer
+        cuts.append(whole.index(b"linux/kernel/a/y.c") if ext == "tar" else len(whole) - 5)
+        for cut in cuts:
+            (tmp_path / ("cut." + name[6:])).write_bytes(whole[:cut])
+            assert re.match(r"prepare_code.py: error: --source .*cut.tar.* is not a valid tar archive \(.*: cut short\?\)",
+                            error(tmp_path / ("cut." + name[6:]))), (ext, cut)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs/README").write_text("no C here")
     assert "no directory holds 200 KiB of .c/.h files" in error(tmp_path / "docs")
