@@ -107,14 +107,13 @@ def decompressed(path):
     the two zero blocks of a whole archive: cut at a member's boundary, it would read as a shorter one."""
     with open(path, "rb") as f:
         magic = f.read(6)
+        if magic == b"\xfd7zXZ\x00":
+            return lzma.open(path)
+        if magic[:2] == b"\x1f\x8b":
+            return gzip.open(path)
         f.seek(max(0, os.path.getsize(path) - 1024))
-        whole = f.read() == bytes(1024)
-    if magic == b"\xfd7zXZ\x00":
-        return lzma.open(path)
-    if magic[:2] == b"\x1f\x8b":
-        return gzip.open(path)
-    if not whole:
-        raise EOFError("no end-of-archive blocks")
+        if f.read() != bytes(1024):
+            raise EOFError("no end-of-archive blocks")
     return open(path, "rb")
 
 
