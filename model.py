@@ -125,7 +125,8 @@ def skim_margin(cfg):
 
 def alibi_slopes(n_head):
     """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for n not a power of two, the
-    power-of-two slopes plus every other slope of the next one."""
+    power-of-two slopes plus every other slope of the next one. Not 2^(-8(i+1)/n) for every n: at 6 heads
+    that keeps fewer steep, local heads and trained to 7-18% higher perplexity on code (NOTES.md)."""
     def geometric(n):
         return [2 ** (-8 * (i + 1) / n) for i in range(n)]
     p = 2 ** int(math.log2(n_head))
