@@ -667,6 +667,8 @@ class DRT(nn.Module):
                                      cfg.retriever == "random")  # (B, n, K): top-k of Eq. 1 (+ Gumbel)
         if picks is not None:  # handed in: each < its chunk id, or -1
             idx, eligible = torch.where(picks >= 0, picks, idx), eligible | (picks >= 0)
+            twice = (idx[..., :, None] == idx[..., None, :]) & eligible[..., :, None]  # (B, n, K, K)
+            eligible = eligible & ~twice.triu(1).any(-2)  # a chunk both Eq. 1 and picks hold is read once
         w = retrieval_weights(q, memory.landmarks_at(idx), eligible, cfg)  # (B, n, K): Eq. 3
         if record is not None:
             record.append(("picks", chunk_ids, idx, w.detach()))

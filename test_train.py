@@ -700,6 +700,27 @@ def test_teacher_picks(read_next):
     assert len(set(reads[5].tolist())) == 2  # K distinct chunks where K are readable
 
 
+def test_teacher_slots_keep_eq1s_best():
+    """teacher_slots=n: the teacher's n best chunks go into the last n slots, the rest are -1 (Eq. 1's own best
+    picks stay); a chunk that both Eq. 1 and the teacher pick is read once (weight 0 on its second slot)."""
+    from conftest import retrievals, tiny_model, tokens
+    model = tiny_model(gumbel=False).eval()  # Eq. 1's picks without noise: the same in both forwards
+    cfg = model.config
+    K, idx = cfg.topk, tokens(cfg, 2, 6 * cfg.chunk_size, 0)
+    full, one = train.teacher_picks(idx, cfg), train.teacher_picks(idx, cfg, slots=1)  # (B, n, K)
+    assert (one[..., -1] == full[..., 0]).all() and (one[..., :-1] == -1).all()
+    plain, handed = [], []
+    model(idx, record=plain)
+    _, eq1, _ = retrievals(plain)[0]  # (B, n, K): Eq. 1's picks, best first
+    picks = torch.full_like(eq1, -1)
+    picks[..., -1] = eq1[..., 0]  # Eq. 1's best, handed in again in the last slot
+    model(idx, record=handed, picks=picks)
+    _, got, w = retrievals(handed)[0]
+    assert (got[..., :-1] == eq1[..., :-1]).all() and (got[..., -1] == eq1[..., 0]).all()
+    later = torch.arange(got.size(1)) >= K  # landmarks with K earlier chunks: every slot eligible in Eq. 1
+    assert (w[:, later, -1] == 0).all() and (w[:, later, 0] > 0).all()  # the repeat weighs nothing
+
+
 def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
     """teacher_iters: the first steps' training forwards read teacher_picks; later steps, evaluation and
     the checkpoint use Eq. 1 alone (no picks handed in)."""

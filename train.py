@@ -57,6 +57,7 @@ dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
+teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
 task_loss = "all"  # 'all': next-token loss everywhere (teaches copying from scratch); 'answer': on the answer + its '.'
@@ -121,6 +122,7 @@ def check_config(config):
         (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
         (c.teacher_iters < 0, f"teacher_iters={c.teacher_iters} must be >= 0"),
         (c.teacher_iters > 0 and not c.groups, "teacher_iters hands chunks to GCA, which a model without groups lacks"),
+        (not 0 <= c.teacher_slots <= c.topk, f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
         (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
          f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
@@ -156,14 +158,15 @@ class Data:
                      for t in self.rows.batch(split, rng, training))
 
 
-def teacher_picks(idx, cfg):
+def teacher_picks(idx, cfg, slots=0):
     """What GCA reads while step < teacher_iters. For landmark t of idx (B, L): the K chunks before chunk t
     that share the most token ids, weighted by idf, with chunk t+1, the chunk that reads them.
     It peeks at the text the read serves, so it exists in training only. Why: a read path fed chunks
     that do not help never learns to copy from them, and Eq. 1 cannot learn to find chunks a read path
     ignores; handed useful chunks first, GCA learns to use them (NOTES.md has the runs). Eq. 3 still
     weighs the chunks with the model's scores. -> (B, n, K) chunk ids as Eq. 1's picks, -1 where
-    fewer than K are readable (then Eq. 1 picks)."""
+    fewer than K are readable (then Eq. 1 picks). slots=n: the n best alone, in the last n slots: Eq. 1 keeps its
+    K-n best, the chunks its scores must learn to rank below the teacher's."""
     T, V, K = cfg.chunk_size - 1, cfg.vocab_size, cfg.topk
     B, L = idx.shape
     n, nc = L // T, cdiv(L, T)  # landmarks (complete chunks), chunks
@@ -176,7 +179,8 @@ def teacher_picks(idx, cfg):
     score = score.masked_fill((r < first) | (r >= t), float("-inf"))  # chunks before t (t itself: the window's)
     best, read = score.topk(min(K, n), -1)  # (B, n, K)
     picks = (read - first).masked_fill(best == float("-inf"), -1)
-    return torch.nn.functional.pad(picks, (0, K - picks.size(-1)), value=-1)
+    picks = torch.nn.functional.pad(picks, (0, K - picks.size(-1)), value=-1)
+    return torch.cat([torch.full_like(picks[..., slots:], -1), picks[..., :slots]], -1) if slots else picks
 
 
 def step_rng(*parts):
@@ -302,7 +306,7 @@ def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum,
         g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
         x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
         torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
-        picks = teacher_picks(x, raw_model.config) if iter_num < c.teacher_iters else None  # (B, n, K) or None
+        picks = teacher_picks(x, raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None  # (B, n, K) or None
         with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
             with autocast:
                 _, loss = model(x, y, return_logits=False, picks=picks)
