@@ -735,3 +735,30 @@ def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
     training = [handed for is_training, handed in seen if is_training]
     assert training == [True, True, False, False]  # one group, one micro-batch a step
     assert not any(handed for is_training, handed in seen if not is_training)
+
+
+def test_teacher_hands_over_the_asked_needle(monkeypatch):
+    """config/passkey_finetune.py's teacher: on stage 2's rows (passkey and 2-16-key multi-key, three phrasings),
+    the one chunk it hands the landmark that serves the answer is the chunk of the needle asked for, which
+    lets the read path learn to copy the key before Eq. 1 can find it."""
+    import random
+    import types
+    import tasks
+    tokenizer_or_skip(monkeypatch)
+    files = [os.path.join(HERE, "config", f) for f in ("passkey_pretrain.py", "passkey_finetune.py")]
+    c, _ = parse(files + ["--task_haystack=", "--batch_size=32"])  # filler haystack: no data needed
+    assert 0 < c["teacher_iters"] < c["max_iters"] and c["teacher_slots"] == 1
+    cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
+    T, rows, found = cfg.chunk_size - 1, tasks.TaskRows(types.SimpleNamespace(**c)), []
+    x, y = rows.batch("train", random.Random(0), True)  # (B, block_size) each; y: -1 but on the answer
+    picks = train.teacher_picks(x, cfg, c["teacher_slots"])  # (B, n, K): -1 but in the last slot
+    for b in range(x.size(0)):
+        p = int((y[b] >= 0).nonzero()[0, 0])  # the question's last token predicts the answer's first
+        answer = y[b, y[b] >= 0].tolist()[:-1]  # its digits, without the closing full stop
+        xs = x[b, :p].tolist()
+        needle = {(i + j) // T for i in range(p - len(answer) + 1) if xs[i:i + len(answer)] == answer
+                  for j in range(len(answer))}  # the chunks that hold the key asked for
+        assert needle, "the answer must occur in the prompt"
+        if max(needle) < p // T - 1:  # outside the window's chunks: retrieval's job
+            found.append(int(picks[b, p // T - 1, -1]) in needle)
+    assert len(found) >= 24 and sum(found) >= 0.9 * len(found), (sum(found), len(found))
