@@ -180,7 +180,8 @@ def teacher_picks(idx, cfg, slots=0):
     best, read = score.topk(min(K, n), -1)  # (B, n, K)
     picks = (read - first).masked_fill(best == float("-inf"), -1)
     picks = torch.nn.functional.pad(picks, (0, K - picks.size(-1)), value=-1)
-    return torch.cat([torch.full_like(picks[..., slots:], -1), picks[..., :slots]], -1) if slots else picks
+    keep = slots or K  # the teacher's best `keep`, in the last slots; -1 (Eq. 1's own) before them
+    return torch.cat([torch.full_like(picks[..., keep:], -1), picks[..., :keep]], -1)
 
 
 def step_rng(*parts):
