@@ -124,8 +124,7 @@ def print_samples(model, enc, prompt, args, ctx):
 
 # -----------------------------------------------------------------------------
 # The long-context harness: passkey, multi-key and 2-hop accuracy by length (Appendix D) beside
-# what retrieval picked; in-context copying (--copying); the loss by position (--ppl); the picks
-# themselves (--inspect, §4.4)
+# what retrieval picked (the loss by position, copying and the picks themselves: evaluate.py)
 
 LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
 MAX_LENGTH = common.MAX_LENGTH  # 64M tokens: the longest --lengths takes
