@@ -83,7 +83,7 @@ def parse_lengths(text):
     try:
         lengths = [int(float(t[:-1]) * mult[t[-1].upper()]) if t[-1].upper() in mult else int(t)
                    for t in text.split(",") if t]
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):  # OverflowError: infK
         lengths = []
     if not lengths:
         raise ValueError(f"--lengths={text!r}: expected a list like 4K,16K,1M or 4096,16384")
@@ -286,10 +286,13 @@ def upgrade(ckpt, path, fix):
                 args[new] = values[old]
 
 
-def saved_at(out_dir):
-    """'out/ckpt.pt at step N' of a train.py run, read from ckpt.json (written after ckpt.pt), or None."""
+def saved_at(out_dir, since=0.0):
+    """'out/ckpt.pt at step N' of a train.py run, read from ckpt.json (written after ckpt.pt), or None; None too
+    if it was written before time since (a checkpoint the run replaces is not the run's)."""
     try:
-        with open(os.path.join(out_dir, "ckpt.json")) as f:
+        if os.path.getmtime(path := os.path.join(out_dir, "ckpt.json")) < since:
+            return None
+        with open(path) as f:
             return f"{os.path.join(out_dir, 'ckpt.pt')} at step {json.load(f)['iter_num']}"
     except (OSError, ValueError, KeyError):
         return None

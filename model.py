@@ -60,7 +60,7 @@ def upcast(x):
 class DRTConfig:
     # the shape
     vocab_size: int = 50304      # GPT-2's 50257 ids + 1 landmark id, padded to a multiple of 64 (fast matmuls)
-    landmark_id: int = None      # the id closing every chunk, never an input; None: 50257 if the vocabulary has room, else vocab_size - 1
+    landmark_id: int = None      # the id closing every chunk, never an input, above the text ids; None: 50257 if the vocabulary has room, else vocab_size - 1
     n_embd: int = 768            # model width d
     n_head: int = 12             # attention heads; head width n_embd // n_head
     n_lower: int = 6             # lower decoder layers: sliding-window self-attention + SwiGLU
@@ -81,21 +81,22 @@ class DRTConfig:
     pool_tokens: bool = False    # Eq. 1 between chunks' mean token embeddings (the query's centred over the chunks so far), not landmark states
 
     def __post_init__(self):
-        self.groups = tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
+        groups, self.groups = self.groups, tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
         if self.landmark_id is None:
             self.landmark_id = min(50257, self.vocab_size - 1)
         S, W = self.chunk_size, self.window
         checks = [
-            (self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"),
+            (self.n_head >= 1 and self.n_embd >= 1 and self.n_embd % self.n_head == 0,
+             f"n_embd={self.n_embd} must be a positive multiple of n_head={self.n_head} >= 1"),
             (S >= 2, f"chunk_size={S}: a chunk needs at least one text token and the landmark"),
             (S < 2 or (W >= S and W % S == 0), f"window={W} must be a positive multiple of chunk_size={S}"),
             (0 <= self.landmark_id < self.vocab_size,
              f"landmark_id={self.landmark_id} is outside the vocabulary [0, {self.vocab_size})"),
-            (all(g >= 1 for g in self.groups), f"groups={self.groups}: every group needs at least one layer"),
+            (all(g == int(g) >= 1 for g in groups), f"groups={tuple(groups)}: every group needs a whole number >= 1 of layers"),
             (self.topk >= 1, f"topk={self.topk} must be >= 1"),
             (self.retriever in ("learned", "random", "none"),
              f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'"),
-            (self.n_lower >= 0 and self.n_enc >= 0, "n_lower and n_enc must be >= 0"),
+            (min(self.n_lower, self.n_enc, self.mlp_hidden) >= 0, "n_lower, n_enc and mlp_hidden must be >= 0"),
         ]
         bad = [message for ok, message in checks if not ok]
         if bad:
@@ -107,7 +108,8 @@ class DRTConfig:
 
 
 def window_reach(cfg):
-    """How far back the stacked windows see (retrieval alone reaches further); cfg: any with their fields."""
+    """The stacked windows' span, L x W positions, a bound: each window sees W-1 back, so through them an output
+    sees L x (W-1) (retrieval alone reaches further); cfg: any with their fields."""
     return (cfg.n_lower + sum(cfg.groups)) * cfg.window
 
 
@@ -294,7 +296,8 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
     m0 = 0
     for lm in pages:  # (B, m, C)
         # fp32 under any autocast: in bf16, rounding would decide near-ties, and a stream decoded
-        # token by token would pick other chunks than one forward
+        # token by token would pick other chunks than one forward. Exact ties (chunks repeated word for word,
+        # under pool_tokens) can still fall either way: the one known gap in streaming's equality (NOTES.md)
         with torch.autocast(q.device.type, enabled=False):
             s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, m)
         if uniform:
@@ -572,6 +575,8 @@ class DRT(nn.Module):
                 v = idx[bad][0].item()
                 why = "the landmark id, reserved" if v == cfg.landmark_id else f"outside [0, {cfg.vocab_size})"
                 raise ValueError(f"token id {v} in idx is {why}: inputs are text token ids")
+            if targets is not None and ((targets < -1) | (targets >= cfg.vocab_size)).any():  # -100 would read as 0
+                raise ValueError(f"targets must be token ids in [0, {cfg.vocab_size}) or -1 (ignored)")
 
     def forward(self, idx, targets=None, state=None, return_logits=True, picks=None, record=None):
         """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-

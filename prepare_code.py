@@ -33,7 +33,7 @@ import sys
 import tarfile
 import time
 
-from prepare_pg19 import _print, prepare, refuse_existing
+from prepare_pg19 import _print, get_tokenizer, prepare, refuse_existing
 
 EXCLUDED = ("arch", "tools", "scripts", "samples", "Documentation", "usr", "drivers/gpu/drm/amd/include")
 MAX_FILE = 256 * 1024       # bytes: larger files are generated tables, not code one reads
@@ -91,7 +91,7 @@ def tree_files(source, log=_print):
         try:  # one pass over the stream; lzma and gzip raise EOFError where a file ends before its end marker
             with decompressed(source) as raw, tarfile.open(fileobj=raw, mode="r|") as tar:
                 for m in tar:
-                    parts = m.name.strip("/").split("/")
+                    parts = [p for p in m.name.split("/") if p not in ("", ".")]  # tar c ./linux: './linux/...'
                     d, name = "/".join(parts[1:-1]), parts[-1]  # parts[0]: the archive's top folder
                     if m.isfile() and len(parts) > 2 and kept(d) and wanted(name) and m.size <= MAX_FILE:
                         add(d, name, lambda: tar.extractfile(m).read())
@@ -187,6 +187,7 @@ def main(argv=None):
     try:
         if not args.overwrite:
             refuse_existing(args.out)  # before build replaces raw/
+        get_tokenizer(args.tokenizer_file)  # and before it reads a whole tree
         build(args.source, raw)
         meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books)
     except (OSError, ValueError, RuntimeError, tarfile.TarError) as e:

@@ -223,7 +223,8 @@ def check_memory(cfg, L, args):
 def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     """Accuracy of `task` at each context length, a table row each; depth: one --depth bin."""
     device, cfg = next(model.parameters()).device, model.config
-    T, reach, kw = cfg.chunk_size - 1, window_reach(cfg), prompt_kwargs(args, cfg, depth)
+    T, kw = cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
+    sight = (cfg.n_lower + cfg.n_upper) * (cfg.window - 1) + 1  # each window sees W-1 positions back: nearer is seen
     align = None if args.no_align else T
     variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
                 f"{args.digits}-digit numbers": args.digits != 5,
@@ -250,7 +251,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             with ctx:
                 out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress)
             hit = score(out, answer, enc)
-            correct, near = correct + hit, near + in_reach(prompt, answer, T, reach)
+            correct, near = correct + hit, near + in_reach(prompt, answer, T, sight)
             if args.show_misses and not hit:
                 got, want = enc.decode(out).strip(), enc.decode(answer).strip()
                 rng = random.Random(seed)  # make_example drew the needles first: draw them again

@@ -666,8 +666,13 @@ def test_bad_input_errors():
         model(torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="targets"):
         model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
+    for ret in (True, False):  # the chunked loss would read -100 as token 0
+        with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 96\) or -1"):
+            model(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), -100), return_logits=ret)
     for bad, msg in [(dict(chunk_size=1), "chunk_size"), (dict(window=12), "window"), (dict(n_head=5), "n_head"),
-                     (dict(landmark_id=96), "landmark_id"), (dict(topk=0), "topk"), (dict(groups=(2, 0)), "groups")]:
+                     (dict(landmark_id=96), "landmark_id"), (dict(topk=0), "topk"), (dict(groups=(2, 0)), "groups"),
+                     (dict(n_head=0), "n_head=0"), (dict(groups=(1.5,)), r"groups=\(1.5,\): .* whole number"),
+                     (dict(mlp_hidden=-5), "mlp_hidden")]:
         with pytest.raises(ValueError, match=msg):
             tiny_config(**bad)
 
@@ -867,6 +872,25 @@ def test_segmented_prefill_equals_one_shot(offload):
         cuts = [0, 5, 6, 27, 40, 41, 90, 150]
         parts = [all_logits(model, idx[:, a:b], state) for a, b in zip(cuts, cuts[1:])]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
+
+
+def test_windows_see_w_minus_1_back():
+    """Retrieval off, a token reaches the last output through the stacked windows from L x (W-1) positions back
+    and no further (each window: 0 <= i - j < W); window_reach, L x W, bounds it; sample.py's `in reach` counts
+    with the exact sight."""
+    model = tiny_model(retriever="none").eval()
+    cfg = model.config
+    sight = (cfg.n_lower + cfg.n_upper) * (cfg.window - 1)  # 2 x 15 = 30 positions
+    idx = tokens(cfg, 1, 60, seed=3)
+    ids, _ = insert_landmarks(idx, cfg)
+    pos = (ids[0] != cfg.landmark_id).nonzero().squeeze(1)  # (60,) the text tokens' stream positions
+    with torch.no_grad():
+        last = model(idx)[0][0, -1]
+        for p in range(60):
+            other = idx.clone()
+            other[0, p] = (other[0, p] + 1) % cfg.landmark_id
+            seen = not torch.equal(model(other)[0][0, -1], last)
+            assert seen == (pos[-1] - pos[p] <= sight) and sight < drt.window_reach(cfg), p
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])

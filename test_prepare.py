@@ -519,6 +519,10 @@ def test_code_corpus_builder(tmp_path):
     pc.build(str(tmp_path / "linux.tar.xz"), str(tmp_path / "raw"), log=lambda s: None)
     again = {p.relative_to(tmp_path / "raw").as_posix(): p.read_text() for p in (tmp_path / "raw").rglob("*.txt")}
     assert again == written and not (tmp_path / "raw.tmp").exists()
+    with tarfile.open(tmp_path / "dot.tar.xz", "w:xz") as tar:  # `tar c ./linux`: every name starts with ./
+        tar.add(tmp_path / "linux-6.12", arcname="./linux-source-6.12")
+    pc.build(str(tmp_path / "dot.tar.xz"), str(tmp_path / "raw"), log=lambda s: None)
+    assert {p.relative_to(tmp_path / "raw").as_posix(): p.read_text() for p in (tmp_path / "raw").rglob("*.txt")} == written
     with pytest.raises(ValueError, match="no directory holds 200 KiB"):
         pc.build(str(tmp_path / "kernel"), str(tmp_path / "raw2"), log=lambda s: None)
     with pytest.raises(FileNotFoundError, match="nope not found"):
@@ -573,7 +577,8 @@ def test_code_corpus_errors(tmp_path, monkeypatch):
     assert re.match(rf"prepare_code.py: error: {re.escape(str(out))} already holds a dataset \(train \d+ tokens in 1 book, "
                     r".*\): pass --overwrite to replace it, or another --out$", error(tmp_path / "linux.tar.xz"))
     assert "no directory holds" in error(tmp_path / "docs", "--overwrite")  # past the check, to the build's error
-    assert _files(out) == before
+    assert "nothing.tiktoken" in error(tmp_path / "linux.tar.xz", "--overwrite", f"--tokenizer_file={tmp_path / 'nothing.tiktoken'}")
+    assert _files(out) == before  # the tokenizer is checked before the tree is read and raw/ replaced
 
 
 def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):

@@ -467,6 +467,7 @@ BAD_SAMPLE_ARGS = [
     (["--passkey", "--lengths=0"], r"--lengths: 0 tokens cannot hold .* passkey prompt: use lengths of at least \d+"),
     (["--multikey", "--lengths=128,10"], r"--lengths: 10 tokens cannot hold .* multikey"),  # before 128 runs
     (["--vartrack", "--lengths=,"], r"--lengths=',': expected a list"),
+    (["--passkey", "--lengths=infK"], r"--lengths='infK': expected a list"),
     (["--prompt=FILE:{tmp}/missing.txt"], r"--prompt=FILE:.*missing.txt: cannot read it"),
     (["--passkey", "--haystack={tmp}/missing"], r"--haystack .*missing: expected a folder"),
     (["--passkey", "--haystack={tmp}/empty"], r"--haystack .*empty: no .txt files"),

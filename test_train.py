@@ -119,8 +119,10 @@ def test_overrides():
     (["--dataset=passkey,nope"], r"^dataset='passkey,nope': a comma list is of synthetic tasks, each one of passkey, "),
     (["--learning_rate=-1"], r"^learning_rate=-1.0 must be >= 0$"),
     (["--max_iters=-5"], r"^max_iters=-5 must be a positive int$"),  # the one wrong value, not stop_iter's range too
+    (["--betas=0.9,", "--data_dir=nowhere"], r"^betas=\(0.9,\) must be two numbers in \[0, 1\)$"),
+    (["--weight_decay=-1", "--data_dir=nowhere"], r"^weight_decay=-1.0 must be >= 0$"),  # nowhere: fails fast if not
 ], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file",
-        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr", "negative-iters"])
+        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr", "negative-iters", "betas", "weight-decay"])
 def test_config_errors(argv, message):
     with pytest.raises(train.ConfigError, match=message):
         train.main(argv)
@@ -285,6 +287,11 @@ def test_resume_restores_config(tmp_path, capsys):
     assert re.findall(r"^resume: .*$", out, re.M) == ["resume: max_iters 4 -> 5 (given now)"]
     c = load_ckpt(tmp_path / "split")["config"]
     assert c["max_iters"] == 5 and c["block_size"] == 35 and c["n_embd"] == 32 and c["data_dir"] == str(tmp_path / "data")
+    # the optimizer's settings given now are the ones it steps with, not those its saved state brings back
+    train.main([f"--out_dir={tmp_path / 'split'}", "--init_from=resume", "--max_iters=6", "--weight_decay=0.5",
+                "--betas=0.8,0.99"])
+    groups = load_ckpt(tmp_path / "split")["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.5, (0.8, 0.99)), (0.0, (0.8, 0.99))]
 
 
 def test_resume_conflicting_model(tmp_path):
@@ -321,6 +328,10 @@ def test_finetune_from_checkpoint(tmp_path):
     with pytest.raises(train.ConfigError, match=rf"checkpoint {re.escape(str(tmp_path / 'base' / 'ckpt.pt'))} has "
                                                 r"n_embd=32, the config asks 64"):  # the file it read, not ft3's
         train.main(tiny_args(tmp_path, "ft3", f"--init_from={tmp_path / 'base'}", "--n_embd=64"))
+    # the teacher's settings are checked against the model fine-tuned (topk=3), not the config's defaults (8)
+    with pytest.raises(train.ConfigError, match=r"^teacher_slots=5 must lie in \[0, topk=3\]$"):
+        train.main([a for a in tiny_args(tmp_path, "ft4", f"--init_from={tmp_path / 'base'}", "--teacher_iters=1",
+                                         "--teacher_slots=5") if a.split("=")[0][2:] not in train.MODEL_KEYS])
 
 
 def test_out_dir_with_a_checkpoint(tmp_path):
@@ -367,31 +378,36 @@ def test_bad_checkpoint_files(tmp_path):
         with pytest.raises(common.CheckpointError, match=message + r".*: point --init_from at a train.py ckpt.pt"):
             train.main(tiny_args(tmp_path, "ft", f"--init_from={bad}"))
     weights = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
-    weights.pop("optimizer")  # weights alone: they fine-tune, but do not resume
+    for part in ("optimizer", "config"):  # weights alone: they fine-tune, but do not resume
+        torch.save({k: v for k, v in weights.items() if k != part}, bad)
+        with pytest.raises(common.CheckpointError, match=r"holds weights alone .*cannot be resumed: fine-tune from it"):
+            train.main(tiny_args(tmp_path, "bad", "--init_from=resume", "--max_iters=2"))
+    weights.pop("optimizer")
     torch.save(weights, bad)
-    with pytest.raises(common.CheckpointError, match=r"holds weights alone .*cannot be resumed: fine-tune from it"):
-        train.main(tiny_args(tmp_path, "bad", "--init_from=resume", "--max_iters=2"))
     train.main(tiny_args(tmp_path, "ft2", f"--init_from={bad}", "--max_iters=1", "--eval_interval=1", "--eval_iters=1"))
 
 
 def test_checkpoints_of_removed_options(tmp_path):
     """A checkpoint written before ret_dim, enc_rope, pool_retrieval="states" and repeat_frac were removed loads
     and resumes when they hold their off values (pool_retrieval="tokens" is today's pool_tokens=True), with the
-    same logits; any other value is one line that names the option."""
+    same logits; any other value is one line that names the option. A key added since (center_memory) takes its
+    default, the model before the key existed."""
     import sample
     run = ["--max_iters=1", "--eval_interval=1", "--eval_iters=1"]
     train.main(tiny_args(tmp_path, "run", *run, "--pool_tokens=True"))
     ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     was = dict(ret_dim=0, enc_rope=False, pool_retrieval="tokens")  # how the earlier version stored the run
-    old = {**ckpt, "model_args": {k: v for k, v in ckpt["model_args"].items() if k != "pool_tokens"} | was,
-           "config": {k: v for k, v in ckpt["config"].items() if k != "pool_tokens"} | was | dict(repeat_frac=0.0)}
+    new = ("pool_tokens", "center_memory")
+    old = {**ckpt, "model_args": {k: v for k, v in ckpt["model_args"].items() if k not in new} | was,
+           "config": {k: v for k, v in ckpt["config"].items() if k not in new} | was | dict(repeat_frac=0.0)}
     os.makedirs(tmp_path / "old")
     torch.save(old, tmp_path / "old" / "ckpt.pt")
     x = torch.randint(0, 95, (2, 30))
     logits = [sample.build_model(sample.read_checkpoint(str(tmp_path / r))[0], "cpu")(x, x)[0] for r in ("run", "old")]
     assert torch.equal(*logits)
     train.main(tiny_args(tmp_path, "old", "--init_from=resume", "--max_iters=2", "--eval_interval=1", "--eval_iters=1"))
-    assert load_ckpt(tmp_path / "old")["config"]["pool_tokens"] is True
+    resumed = load_ckpt(tmp_path / "old")
+    assert resumed["config"]["pool_tokens"] is True and resumed["model_args"]["center_memory"] is False
     for part, key, value in [("model_args", "ret_dim", 16), ("model_args", "enc_rope", True),
                              ("model_args", "pool_retrieval", "states"), ("config", "repeat_frac", 0.5)]:
         torch.save({**old, part: old[part] | {key: value}}, tmp_path / "old" / "ckpt.pt")
@@ -579,8 +595,10 @@ def test_ctrl_c_saves_and_resumes(tmp_path):
     assert step >= 1 and load_ckpt(run)["iter_num"] == step and f"saved {run / 'ckpt.pt'} at step {step}" in out
     again = shlex.split(m[3])[2:]
     assert [it for it, _ in train.main([*again, f"--max_iters={step + 2}"])] == [step + 1, step + 2]
-    # the second Ctrl-C: inside a long evaluation, which the first one waits for
-    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run2", "--eval_iters=1000000")])
+    # the second Ctrl-C: inside a long evaluation, which the first one waits for; this run replaces `run`, whose
+    # checkpoint is not this run's to name
+    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run", "--eval_iters=1000000",
+                                                             "--overwrite=True")])
     try:
         read_until(proc.stdout, r"DRT groups")
         proc.send_signal(signal.SIGINT)
@@ -590,7 +608,7 @@ def test_ctrl_c_saves_and_resumes(tmp_path):
     finally:
         end_run(proc)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved" and not os.path.exists(tmp_path / "run2" / "ckpt.pt")
+    assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved"
     # one Ctrl-C inside the first evaluation: no step was taken, so nothing is saved (a step-0
     # checkpoint would only make the next run of the same command refuse to overwrite it)
     rc, out, err = interrupt_after([sys.executable, "train.py", *tiny_args(tmp_path, "run3", "--eval_iters=30")],

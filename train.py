@@ -110,8 +110,8 @@ def check_config(config):
     c = types.SimpleNamespace(**config)
     positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
     bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
-    bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth")
-            if config[k] < 0]
+    bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth",
+                                                      "weight_decay") if config[k] < 0]
     bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "task_haystack_frac")
             if not 0 <= config[k] <= 1]
     choices = {"task_loss": ("all", "answer"), "task_names": ("pool", "twenty"),
@@ -121,9 +121,8 @@ def check_config(config):
     bad += [why for wrong, why in [
         (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
         (c.teacher_iters < 0, f"teacher_iters={c.teacher_iters} must be >= 0"),
-        (c.teacher_iters > 0 and not c.groups, "teacher_iters hands chunks to GCA, which a model without groups lacks"),
-        (not 0 <= c.teacher_slots <= c.topk, f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
+        (len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas), f"betas={c.betas} must be two numbers in [0, 1)"),
         (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
          f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
         (c.copy_frac and is_tasks(c.dataset),
@@ -239,7 +238,8 @@ def check_run(c, given, ckpt, src, world_size, master, device):
                           f"{c.batch_size}*{c.block_size}*{world_size} = {per_micro:,}: use a multiple of it (0: none)")
     arch = {k: getattr(c, k) for k in MODEL_KEYS}
     if ckpt is not None:
-        stored = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
+        stored = {f.name: f.default for f in dataclasses.fields(DRTConfig)}  # a key newer than the checkpoint: the model before it
+        stored |= {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
         if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
             said = ", ".join(f"{k}={stored[k]!r}, the config asks {arch[k]!r}" for k in clash)
             raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the "
@@ -250,6 +250,10 @@ def check_run(c, given, ckpt, src, world_size, master, device):
     except ValueError as e:  # DRTConfig says what is wrong
         raise ConfigError(e) from None
     vars(c).update(model_args)  # what is built (e.g. landmark_id filled in): the checkpoint's config says so
+    if c.teacher_iters and not c.groups:
+        raise ConfigError("teacher_iters hands chunks to GCA, which a model without groups lacks")
+    if not 0 <= c.teacher_slots <= c.topk:
+        raise ConfigError(f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]")
     model_args["groups"] = list(model_args["groups"])
     min_len = 2 * (c.chunk_size - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
     if c.groups and c.block_size < min_len:
@@ -275,10 +279,10 @@ def build(c, model_args, ckpt, src, device, finetune):
     model.load_state_dict(ckpt["model"])
     if finetune:  # only the weights: its own optimizer, schedule and best loss
         return model, optimizer, 0, float("inf")
-    if "optimizer" not in ckpt:
-        raise CheckpointError(f"{src} holds weights alone (no optimizer state) and cannot be resumed: "
-                              f"fine-tune from it with --init_from=<its folder> and a new --out_dir")
-    optimizer.load_state_dict(ckpt["optimizer"])
+    now = [{k: g[k] for k in ("betas", "weight_decay")} for g in optimizer.param_groups]
+    optimizer.load_state_dict(ckpt["optimizer"])  # which brings back the saved betas and decay too
+    for group, values in zip(optimizer.param_groups, now):
+        group.update(values)  # this run's (what resume printed, and the next checkpoint records)
     return model, optimizer, ckpt["iter_num"], ckpt["best_val_loss"]
 
 
@@ -356,8 +360,9 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
         if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
             t_eval = time.time()
             losses, ret = estimate_loss(eval_model, raw_model, data, c, autocast)
-            log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {math.exp(losses['train']):.2f}), "
-                f"val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f})"
+            ppl = {k: math.exp(min(v, 700)) for k, v in losses.items()}  # a diverged run is reported, not a crash
+            log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {ppl['train']:.2f}), "
+                f"val loss {losses['val']:.4f} (ppl {ppl['val']:.2f})"
                 + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else "")
                 + (f", {sink_label(raw_model.config)} {ret['sink']:.2f}" if "sink" in ret else ""))
             improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
@@ -417,6 +422,9 @@ def main(argv=None):
         if not os.path.isfile(src):
             raise ConfigError(f"no checkpoint at {src}: use --init_from=scratch (or point --out_dir at the run)")
         ckpt = load_checkpoint(src, "start over with --init_from=scratch --overwrite=True, or use another --out_dir")
+        if not {"optimizer", "config", "iter_num", "best_val_loss"} <= ckpt.keys():
+            raise CheckpointError(f"{src} holds weights alone (no optimizer state) and cannot be resumed: "
+                                  f"fine-tune from it with --init_from=<its folder> and a new --out_dir")
         for k in (k for k in DEFAULTS if k not in PER_RUN):
             stored = ckpt["config"].get(k, config[k])  # a key newer than the checkpoint: its value now
             if k not in given:
@@ -454,17 +462,17 @@ def main(argv=None):
                                 timeout=timedelta(seconds=c.ddp_timeout))
 
     STOP.update(signum=0, at=0.0)
-    handlers = catch_signals()
+    handlers, since = catch_signals(), 0.0 if c.init_from == "resume" else time.time()  # checkpoints of this run
     try:
         return train(c, given, ckpt, src, device, ddp, rank, world_size, again)
     except KeyboardInterrupt:  # a second Ctrl-C
-        last = saved_at(c.out_dir)
+        last = saved_at(c.out_dir, since)
         stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
                                                     if last else "no checkpoint saved"), signal.SIGINT)
     except Exception as e:  # under DDP, a collective fails when a rank dies, and torchrun's SIGTERM follows
         for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):  # 3 s
             if signum := STOP["signum"]:
-                last = saved_at(c.out_dir)
+                last = saved_at(c.out_dir, since)
                 stopped(f"rank {rank}: stopped by {signal.Signals(signum).name} (another rank failed?); " +
                         (f"the last checkpoint is {last}: resume with --init_from=resume" if last else
                          "no checkpoint saved"), signum)
