@@ -881,6 +881,7 @@ def test_windows_see_w_minus_1_back():
     model = tiny_model(retriever="none").eval()
     cfg = model.config
     sight = (cfg.n_lower + cfg.n_upper) * (cfg.window - 1)  # 2 x 15 = 30 positions
+    assert sight < drt.window_reach(cfg)
     idx = tokens(cfg, 1, 60, seed=3)
     ids, _ = insert_landmarks(idx, cfg)
     pos = (ids[0] != cfg.landmark_id).nonzero().squeeze(1)  # (60,) the text tokens' stream positions
@@ -890,7 +891,7 @@ def test_windows_see_w_minus_1_back():
             other = idx.clone()
             other[0, p] = (other[0, p] + 1) % cfg.landmark_id
             seen = not torch.equal(model(other)[0][0, -1], last)
-            assert seen == (pos[-1] - pos[p] <= sight) and sight < drt.window_reach(cfg), p
+            assert seen == (pos[-1] - pos[p] <= sight), p
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
