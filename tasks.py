@@ -43,6 +43,7 @@ from common import GPT2_VOCAB, check_bin, get_tokenizer, max_token_id, read_meta
 from model import window_reach
 
 TASKS = ("passkey", "multikey", "vartrack")
+TRAINED = ("passkey", "multikey")  # train.py's task datasets: 2-hop is a test alone (chance at this size; NOTES.md)
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
 ANSWER_END = "."  # what follows a key in its needle; training rows end their answer with it, so a model learns
@@ -50,15 +51,15 @@ ANSWER_END = "."  # what follows a key in its needle; training rows end their an
 MAX_ANSWER = 6  # tokens an answer takes at most (a 7-digit key: 5, then ANSWER_END): a training row keeps room for it
 NAMES = ["apple", "river", "candle", "falcon", "garden", "marble", "orbit", "pepper", "silver", "tiger",
          "violet", "winter", "anchor", "bishop", "copper", "desert", "ember", "harbor", "island", "jungle"]
-# a second test list (sample.py --unseen_names), never in a training prompt: with train.py --task_names=twenty
-# (training on NAMES) it tells matching a name from having memorized the twenty (18 + 2 two-token words, as NAMES)
+# a second test list (sample.py --unseen_names), never in a training prompt: a model that matches names answers
+# on both lists alike; one that memorized twenty names would not (18 + 2 two-token words, as NAMES)
 UNSEEN_NAMES = ["lantern", "puzzle", "rocket", "saddle", "thunder", "velvet", "quartz", "dragon", "hammer", "lemon",
                 "feather", "glacier", "kettle", "mirror", "button", "castle", "ribbon", "helmet", "parrot", "walnut"]
 
 
 @functools.lru_cache(maxsize=2)
 def word_pool(enc):
-    """Names by the thousand for multi-key training (train.py's default --task_names=pool): every GPT-2 token that
+    """Names by the thousand for multi-key training: every GPT-2 token that
     is a space and 4-8 lower-case letters, past the 3,000 commonest ("that", "with"), minus NAMES and
     UNSEEN_NAMES, so that every test name is unseen: ~12K words, too many to learn one by one."""
     held = set(NAMES) | set(UNSEEN_NAMES)
@@ -122,19 +123,6 @@ TEMPLATES = {
     "code": (" The secret code is {k}.", " What is the secret code? The secret code is",
              " The secret code for {n} is {k}.", " What is the secret code for {n}? The secret code for {n} is"),
 }
-# train.py --task_templates=many: a phrasing built per prompt from one of these names of a number
-# (never "secret code", the held-out test's), so that what the retriever can match is the name
-NOUNS = ("pass key", "magic number", "access ID", "lucky number", "PIN", "room number", "serial number",
-         "ticket number", "locker number", "order number", "badge number", "account number", "house number",
-         "member ID", "lottery number", "safe combination", "password", "special number", "hidden number")
-
-
-def phrasing(noun, of):
-    """A TEMPLATES entry for the number called `noun`, of its owner by the word `of` ('of', 'for')."""
-    return (f" The {noun} is {{k}}.", f" What is the {noun}? The {noun} is",
-            f" The {noun} {of} {{n}} is {{k}}.", f" What is the {noun} {of} {{n}}? The {noun} {of} {{n}} is")
-
-
 def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=5):
     """-> (needle texts in order of appearance, question text, answer text, the index of the needle
     that holds the answer: None for vartrack, whose answer is two needles away). names: multi-key's;
@@ -233,47 +221,36 @@ def min_length(task, seed, enc, align=None, **kw):
     return lo
 
 
-def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, answer_only=False,
-              min_depth=0, align=None, names=NAMES, keys=(4, 4), templates=("key",), digits=(5, 5)):
+def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, min_depth=0, align=None,
+              names=NAMES, keys=(4, 4), templates=("key",)):
     """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
-    The answer is followed by ANSWER_END, as the key is in its needle. y is the next token
-    everywhere, or with answer_only=True only at the answer's and ANSWER_END's positions
-    (-1 elsewhere). From scratch a model needs the loss everywhere (the filler and the key's
-    second mention teach it to copy); after pre-training on text either works. names: multi-key's;
-    keys (lo, hi): its needle count, drawn per row; templates: one drawn per row; digits (lo, hi): of the
-    row's numbers, drawn per row. A choice of one
-    draws nothing from rng, so the defaults give the rows they gave before keys and templates."""
+    The answer is followed by ANSWER_END, as the key is in its needle. y is the next token at the
+    answer's and ANSWER_END's positions alone (-1 elsewhere): the model has learned text and copying
+    in stage 1. names: multi-key's; keys (lo, hi): its needle count, drawn per row; templates: one
+    drawn per row. A choice of one draws nothing from rng."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
     y = torch.empty(batch_size, seq_len, dtype=torch.long)
     for b in range(batch_size):
         task = rng.choice(tasks)
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
-        n, d = draw(rng, keys), draw(rng, digits)
+        n = rng.randint(*keys) if keys[0] < keys[1] else keys[0]
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
-        if template == "many":
-            template = phrasing(rng.choice(NOUNS), rng.choice(("of", "for")))
         prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
-                                      template, d)
+                                      template)
         answer = answer + enc.encode_ordinary(ANSWER_END)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]
-        if answer_only:  # the question's last token predicts the first answer token
-            y[b, : len(prompt) - 1] = -1
-            y[b, len(prompt) - 1 + len(answer) :] = -1
+        y[b, : len(prompt) - 1] = -1  # the question's last token predicts the first answer token
+        y[b, len(prompt) - 1 + len(answer) :] = -1
     return x, y
 
 
-def draw(rng, lo_hi):
-    """A count from the range (lo, hi) of parse_range; a range of one draws nothing from rng."""
-    return rng.randint(*lo_hi) if lo_hi[0] < lo_hi[1] else lo_hi[0]
-
-
 def parse_range(text, lo, hi):
-    """train.py's --task_keys, --task_digits: 'N' or 'A-B' -> (A, B) within [lo, hi]; None if it reads as neither."""
+    """train.py's --task_keys: 'N' or 'A-B' -> (A, B) within [lo, hi]; None if it reads as neither."""
     m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
     got = m and (int(m[1]), int(m[2] or m[1]))
     return got if got and lo <= got[0] <= got[1] <= hi else None
@@ -286,29 +263,25 @@ class TaskRows:
 
     def __init__(self, c):
         self.c, self.tasks, self.vocab, self.enc = c, c.dataset.split(","), GPT2_VOCAB, get_tokenizer()
-        self.align = c.chunk_size - 1 if c.task_align else None
-        self.names = word_pool(self.enc) if c.task_names == "pool" else NAMES
+        self.align, self.names = c.chunk_size - 1, word_pool(self.enc)  # aligned (Appendix D), unseen names
         self.keys, self.templates = parse_range(c.task_keys, 2, 16), tuple(c.task_templates.split(","))
-        self.digits = parse_range(c.task_digits, 3, 7)
         try:
             self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
         except (OSError, ValueError) as e:
             raise ValueError(f"task_haystack: {e}") from None
         try:
-            longest = [phrasing(max(NOUNS, key=len), "for") if t == "many" else t for t in self.templates]
-            for task, template, i in itertools.product(self.tasks, longest, range(8)):
+            for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
                              min_depth=c.task_min_depth, align=self.align, names=self.names, keys=self.keys[1],
-                             template=template, digits=self.digits[1])
+                             template=template)
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
     def batch(self, split, rng, training):
-        """x, y (B, T) on the CPU: get_batch with the run's keys, the same for both splits. Evaluation scores
-        the answer alone: that is the task."""
-        c, answer_only = self.c, not training or self.c.task_loss == "answer"
+        """x, y (B, T) on the CPU: get_batch with the run's keys, the same for both splits and in training."""
+        c = self.c
         return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
-                         answer_only, c.task_min_depth, self.align, self.names, self.keys, self.templates, self.digits)
+                         c.task_min_depth, self.align, self.names, self.keys, self.templates)
 
 
 class TextRows:
@@ -323,7 +296,7 @@ class TextRows:
         fix = f"prepare the data again, e.g. {prepare} --overwrite"
         if (meta := read_meta(data_dir, fix)) is None:  # prepare_pg19.py writes it last
             raise ValueError(f"{data_dir}/meta.json not found: prepare the data first, e.g. {prepare} "
-                             f"(or --dataset={'|'.join(TASKS)})")
+                             f"(or --dataset={'|'.join(TRAINED)})")
         self.c, self.vocab, self.splits, self.reach = c, meta["vocab_size"], {}, window_reach(c)
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")

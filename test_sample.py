@@ -35,18 +35,15 @@ def test_tasks(task, monkeypatch):
         assert tasks.score(answer + enc.encode_ordinary(". The"), answer, enc) == 1
         assert tasks.score(answer + enc.encode_ordinary("123. The"), answer, enc) == 0  # the number goes on: wrong
         assert tasks.score(enc.encode_ordinary(" 1" + want), answer, enc) == 0
-    for answer_only in (True, False):
-        x, y = tasks.get_batch(task, 3, 256, rng, enc, answer_only=answer_only)
-        assert x.shape == y.shape == (3, 256)
-        if not answer_only:
-            assert torch.equal(y[:, :-1], x[:, 1:]) and (y != -1).all()  # the next token everywhere
-            continue
-        for b in range(3):  # the loss on the answer and the full stop that ends it, then filler to the row's end
-            on = (y[b] != -1).nonzero().squeeze(1)
-            assert 2 <= len(on) <= tasks.MAX_ANSWER and torch.equal(on, torch.arange(on[0], on[0] + len(on)))
-            said = enc.decode(x[b, on[0] + 1 : on[-1] + 1].tolist() + [y[b, on[-1]].item()]).strip()
-            assert said.endswith(tasks.ANSWER_END) and said[:-1].isdigit(), said
-            assert enc.decode(x[b, : on[0] + 1].tolist()).endswith(" is")  # the question's last token
+    x, y = tasks.get_batch(task, 3, 256, rng, enc)
+    assert x.shape == y.shape == (3, 256)
+    for b in range(3):  # the loss on the answer and the full stop that ends it, then filler to the row's end
+        on = (y[b] != -1).nonzero().squeeze(1)
+        assert 2 <= len(on) <= tasks.MAX_ANSWER and torch.equal(on, torch.arange(on[0], on[0] + len(on)))
+        assert torch.equal(y[b, on[:-1]], x[b, on[1:]])  # the next token where the loss is
+        said = enc.decode(x[b, on[0] + 1 : on[-1] + 1].tolist() + [y[b, on[-1]].item()]).strip()
+        assert said.endswith(tasks.ANSWER_END) and said[:-1].isdigit(), said
+        assert enc.decode(x[b, : on[0] + 1].tolist()).endswith(" is")  # the question's last token
     with pytest.raises(ValueError, match="too short"):
         tasks.make_example(task, 20, rng, enc)
     for _ in range(5):  # min_depth: no needle before that token (training keeps the first chunks clear)
@@ -125,7 +122,7 @@ def test_question_alignment(monkeypatch):
             with torch.no_grad():
                 model(torch.from_numpy(prompt[None, :-1]), state=state)
             assert state.n % model.config.chunk_size == 0  # the question's chunk is closed: its landmark is in
-    x, y = tasks.get_batch(list(tasks.TASKS), 6, 20 * T, random.Random(0), enc, answer_only=True, align=T)
+    x, y = tasks.get_batch(list(tasks.TASKS), 6, 20 * T, random.Random(0), enc, align=T)
     first = (y != -1).int().argmax(1)  # the position of " is", which predicts the answer
     assert ((first % T) == 0).all()
 

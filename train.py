@@ -53,21 +53,17 @@ overwrite = False  # True: a run from scratch or a fine-tune may replace the ckp
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt, its config), or another run's ckpt.pt/folder to fine-tune
 stop_iter = 0  # stop and save after this step, the schedule unchanged (a long run in pieces); 0 = max_iters
 # data
-dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or passkey|multikey|vartrack (tasks.py), or a comma list of those
+dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or passkey|multikey (tasks.py), or both, comma-separated
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
 teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
-task_loss = "all"  # 'all': next-token loss everywhere (teaches copying from scratch); 'answer': on the answer + its '.'
 task_haystack = ""  # a .bin of prepare_pg19.py whose text hides the needles; "" = the repeated sentences only
 task_haystack_frac = 0.5  # with task_haystack: the share of prompts in real text
-task_names = "pool"  # multi-key's names: 'pool' (~12K words no test asks, so names must be matched) or 'twenty'
 task_keys = "4"  # multi-key's needles per prompt: N, or A-B drawn per prompt (2-16; beyond top-k, names must match)
-task_templates = "key"  # phrasings, a comma list of tasks.TEMPLATES or 'many' (tasks.NOUNS), one per prompt; 'code' is held out
-task_digits = "5"  # digits of every number in a prompt: N, or A-B drawn per prompt (3-7)
-task_align = True  # the question's last token opens a chunk, so the landmark that retrieves has read it (Appendix D)
+task_templates = "key"  # phrasings, a comma list of tasks.TEMPLATES, one per prompt; 'code' is held out for tests
 # batch
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380
 block_size = 16380  # text tokens per sequence: 260 chunks of 63, the paper's 16K training length
@@ -102,7 +98,7 @@ def log(msg):  # rank 0 alone prints (torchrun sets RANK); flushed, so that logs
 
 
 def is_tasks(dataset):
-    return all(t in tasks.TASKS for t in dataset.split(","))
+    return all(t in tasks.TRAINED for t in dataset.split(","))
 
 
 def check_config(config):
@@ -114,10 +110,6 @@ def check_config(config):
                                                       "weight_decay") if config[k] < 0]
     bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "task_haystack_frac")
             if not 0 <= config[k] <= 1]
-    choices = {"task_loss": ("all", "answer"), "task_names": ("pool", "twenty"),
-               "dtype": ("auto", "bfloat16", "float32")}
-    bad += [f"{k}={config[k]!r} must be one of {', '.join(v)}" for k, v in choices.items() if config[k] not in v]
-    keys, digits = tasks.parse_range(c.task_keys, 2, 16), tasks.parse_range(c.task_digits, 3, 7)
     bad += [why for wrong, why in [
         (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
         (c.teacher_iters < 0, f"teacher_iters={c.teacher_iters} must be >= 0"),
@@ -128,11 +120,11 @@ def check_config(config):
         (c.copy_frac and is_tasks(c.dataset),
          f"copy_frac mixes rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
         ("," in c.dataset and not is_tasks(c.dataset),
-         f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TASKS)}"),
-        (keys is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
-        (digits is None, f"task_digits={c.task_digits!r} must be N or A-B, 3 <= A <= B <= 7"),
-        (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys() | {"many"},
-         f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}, many"),
+         f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TRAINED)}"),
+        (tasks.parse_range(c.task_keys, 2, 16) is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
+        (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys(),
+         f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}"),
+        (c.dtype not in ("auto", "bfloat16", "float32"), f"dtype={c.dtype!r} must be one of auto, bfloat16, float32"),
         (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
          f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ] if wrong]

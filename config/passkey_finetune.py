@@ -11,16 +11,15 @@
 # stop after the answer, as after the key in its needle: trained on the digits alone, the models
 # wrote the right key and went on with more digits. The question is aligned so that the
 # landmark whose retrieval serves the answer has read it (Appendix D). Needles stay out of the
-# first 256 tokens, whose chunks are told apart by having no past. Multi-key's names are drawn from thousands of words, none a test asks about, so the model must match them.
+# first 256 tokens, whose chunks are told apart by having no past. Multi-key's names are drawn from
+# thousands of words, none a test asks about, so the model must match them (trained on twenty names,
+# the models answered for those twenty alone).
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
 dataset = "passkey,multikey"  # one model for both (2-hop vartrack is beyond this small model)
 task_haystack = "data/pg19/train.bin"
 task_haystack_frac = 0.5
-task_align = True
 task_min_depth = 256
-task_loss = "answer"
-task_names = "pool"  # multi-key's names from ~12K words: trained on twenty, the models answered for those alone
 task_keys = "2-16"  # needles per multi-key prompt, drawn per row: more than top-k, so names must be matched
 task_templates = "key,number,id"  # three phrasings, one per row ("code" is held out for tests)
 eval_interval = 1000
