@@ -287,8 +287,8 @@ class ChunkEncoder(nn.Module):
 @torch.no_grad()
 def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
     """Eq. 1: for the query q (B, n, C) of each chunk t in chunk_ids (n,), the k best-scoring chunks j < t, a running
-    top-k over pages of landmarks l_j ((B, m, C) each), never n x M scores -> (idx, eligible) (B, n, k). noise: +
-    Gumbel(0, 1); uniform: random scores."""
+    top-k over pages of landmarks l_j ((B, m, C) each), never n x M scores, exact ties to the earlier chunk (rank_key)
+    -> (idx, eligible) (B, n, k). noise: + Gumbel(0, 1); uniform: random scores."""
     B, n, C = q.shape
     q = upcast(q)
     best_s = q.new_full((B, n, k), float("-inf"))
@@ -296,8 +296,7 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
     m0 = 0
     for lm in pages:  # (B, m, C)
         # fp32 under any autocast: in bf16, rounding would decide near-ties, and a stream decoded
-        # token by token would pick other chunks than one forward. Exact ties (chunks repeated word for word,
-        # under pool_tokens) can still fall either way: the one known gap in streaming's equality (NOTES.md)
+        # token by token would pick other chunks than one forward
         with torch.autocast(q.device.type, enabled=False):
             s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, m)
         if uniform:
@@ -306,12 +305,22 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
             s = s - torch.empty_like(s).exponential_().log()  # -log(Exp(1)) ~ Gumbel(0, 1)
         j = m0 + torch.arange(lm.size(1), device=q.device)
         s = s.masked_fill(j[None, None, :] >= chunk_ids[None, :, None], float("-inf"))  # strictly earlier
-        s = torch.cat([best_s, s], -1)
-        best_s, pos = s.topk(k, -1)
-        best_i = torch.cat([best_i, j.expand(B, n, -1)], -1).gather(-1, pos)
+        s, i = torch.cat([best_s, s], -1), torch.cat([best_i, j.expand(B, n, -1)], -1)
+        pos = rank_key(s, i).topk(k, -1).indices
+        best_s, best_i = s.gather(-1, pos), i.gather(-1, pos)
         m0 += lm.size(1)
     eligible = best_s > float("-inf")  # k > number of earlier chunks leaves empty picks
     return best_i.masked_fill(~eligible, 0), eligible
+
+
+def rank_key(s, j):
+    """int64 keys that order chunks by score s, then, at an exact tie, the earlier chunk j first. Chunks repeated word
+    for word tie exactly; topk alone would break the tie by where a chunk sits in the page, which differs between
+    one forward and a stream. The key: s's float32 bits as an int that orders like s (negative floats' magnitude
+    bits flipped; + 0.0 makes -0.0 a +0.0), above the chunk index, inverted."""
+    b = (s.float() + 0.0).view(torch.int32).long()
+    b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return (b << 32) | (0xFFFFFFFF - j)
 
 
 def softmax_off_by_one(r, off_by_one=True):

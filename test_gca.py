@@ -325,6 +325,26 @@ def test_retrieval_options_stream_and_train(option):
     assert rel_err(torch.cat(outs, 1), all_logits(model, idx)) < 1e-10
 
 
+def test_exact_ties_fall_to_the_earliest_chunk():
+    """Chunks repeated word for word tie exactly in Eq. 1. rank_key orders by score, then the earlier chunk, for
+    every float (negative, zero, -inf); so a stream picks what one forward picks, also where a pick j decides which
+    chunk j+1 GCA reads (read_next). Without it, topk broke such ties by where a chunk sat in its page."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(4000, generator=g).round(decimals=1)  # many exact ties
+    s[::97], s[::89], s[::83] = float("-inf"), 0.0, -0.0
+    j = torch.randperm(4000, generator=g)
+    order = drt.rank_key(s, j).argsort(descending=True)
+    want = sorted(range(4000), key=lambda i: (-s[i].item(), j[i].item()))  # -0.0 == 0.0, a tie
+    assert order.tolist() == want
+    model = tiny_model(groups=(1, 1), pool_tokens=True, read_next=True, center_memory=True, gca_sink=False,
+                       gumbel=False, softmax_off_by_one=False).eval()  # config/code_teacher.py's form
+    other = tokens(model.config, 2, 12 * 7, seed=4).view(2, 12, 7)
+    idx = torch.stack([other[:, i // 2] if i % 2 else other[:, 0, :] for i in range(24)], 1).flatten(1)  # (2, 168)
+    state = model.new_state()
+    stream = torch.cat([all_logits(model, idx[:, t : t + 1], state) for t in range(idx.size(1))], 1)
+    assert rel_err(stream, all_logits(model, idx)) < 1e-10
+
+
 def test_center_memory_option():
     """center_memory: GCA's keys/values come from the encoder's states minus their chunk's mean over its
     text positions, then normalised, so that a part every position shares (which dominates trained
