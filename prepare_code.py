@@ -8,6 +8,8 @@ retriever can use, in far more tokens than 24 books hold.
     python prepare_code.py --source linux/usr/src/linux-source-6.12.tar.xz         # -> data/code
     python prepare_code.py --source ~/src/linux-6.12 --max_books=100               # an unpacked tree (kernel.org);
                                                                                    # the first 100 train documents
+    python prepare_code.py --source linux/usr/src/linux-source-6.12.tar.xz --out data/code-dev --train_every=2
+                                                                                   # every second train document
 
 The documents, so that everyone who builds from the same tree gets the same ones:
 - a document per directory below the root (path relative to it, /-separated), except those under
@@ -176,6 +178,8 @@ def main(argv=None):
     p.add_argument("--out", default="data/code", help="output folder: raw/ documents, train.bin, val.bin, test.bin, meta.json")
     p.add_argument("--max_books", type=int, default=None, help="tokenize only the first N documents of each split, "
                    "by file name (a smaller train split for a quick run); default: all")
+    p.add_argument("--train_every", type=int, default=1, help="keep every N-th training document (validation and "
+                   "test whole): the README's code runs used 2, 342 documents, to fit the GPU machine they ran on")
     p.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default min(8, CPU count))")
     p.add_argument("--tokenizer_file", default=None, help="local GPT-2 BPE ranks file; default: env DRT_GPT2_RANKS")
     p.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out; without it a run "
@@ -183,13 +187,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.max_books is not None and args.max_books < 1:
         raise SystemExit(f"prepare_code.py: error: --max_books={args.max_books}: give a positive number, or leave it out")
+    if args.train_every < 1:
+        raise SystemExit(f"prepare_code.py: error: --train_every={args.train_every}: give a positive number")
     t0, raw = time.time(), os.path.join(args.out, "raw")
     try:
         if not args.overwrite:
             refuse_existing(args.out)  # before build replaces raw/
         get_tokenizer(args.tokenizer_file)  # and before it reads a whole tree
         build(args.source, raw)
-        meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books)
+        meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books,
+                       train_every=args.train_every)
     except (OSError, ValueError, RuntimeError, tarfile.TarError) as e:
         raise SystemExit(f"prepare_code.py: error: {e}")
     except KeyboardInterrupt:

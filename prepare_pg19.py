@@ -283,9 +283,11 @@ def swap_in(meta, meta_path, bins):
         os.replace(tmp, final)
     os.replace(meta_path + ".tmp", meta_path)
 
-def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=None, log=_print, max_books=None):
+def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=None, log=_print, max_books=None,
+            train_every=1):
     """Tokenize <source>/<split>/*.txt (all, or the first max_books of each
-    split) into <out_dir>/{train,val,test}.bin and meta.json. Returns the meta
+    split; of train, every train_every-th of those in id order) into
+    <out_dir>/{train,val,test}.bin and meta.json. Returns the meta
     dict. A dataset already in out_dir is left as it was unless this run
     completes: the new files are written under temporary names and swapped in
     at the end."""
@@ -297,7 +299,9 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
             raise ValueError(f"unknown split {s!r}: choose from {', '.join(SPLITS)}")
     if max_books is not None and max_books < 1:
         raise ValueError(f"max_books={max_books}: give a positive number of books per split, or none for all")
-    books = {s: list_books(source, s, max_books) for s in splits}  # every split before any real work
+    if train_every < 1:
+        raise ValueError(f"train_every={train_every}: give a positive number")
+    books = {s: list_books(source, s, max_books)[:: train_every if s == "train" else 1] for s in splits}  # before any real work
     if why := unwritable(out_dir):
         raise ValueError(f"output folder {why}: pass --out to a writable folder")
     ranks_file = ranks_file or os.environ.get("DRT_GPT2_RANKS")

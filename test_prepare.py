@@ -581,6 +581,28 @@ def test_code_corpus_errors(tmp_path, monkeypatch):
     assert _files(out) == before  # the tokenizer is checked before the tree is read and raw/ replaced
 
 
+def test_code_corpus_train_every(tmp_path, monkeypatch):
+    """--train_every=2 (the README's code runs): every second training document in the dataset's order, each
+    with the tokens the whole build gives it; validation and test whole. Bad values stop at once."""
+    import numpy as np
+
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    _code_tree(tmp_path / "tree")
+    for name, extra in (("all", []), ("half", ["--train_every=2"])):
+        pc.main(["--source", str(tmp_path / "tree"), "--out", str(tmp_path / name), "--num_proc=1", *extra])
+    full, half = (json.loads((tmp_path / n / "meta.json").read_text())["splits"] for n in ("all", "half"))
+    assert len(full["train"]["offsets"]) >= 4
+    assert [b for b, _, _ in half["train"]["offsets"]] == [b for b, _, _ in full["train"]["offsets"]][::2]
+    tokens = {n: np.fromfile(tmp_path / n / "train.bin", dtype=np.uint16) for n in ("all", "half")}
+    cut = np.concatenate([tokens["all"][a : a + n] for _, a, n in full["train"]["offsets"][::2]])
+    assert np.array_equal(cut, tokens["half"])  # what cutting the whole build's train.bin gives, byte for byte
+    for f in ("val.bin", "test.bin"):
+        assert (tmp_path / "all" / f).read_bytes() == (tmp_path / "half" / f).read_bytes()
+    with pytest.raises(SystemExit, match="--train_every=0: give a positive number"):
+        pc.main(["--source", str(tmp_path / "tree"), "--out", str(tmp_path / "x"), "--train_every=0"])
+
+
 def test_code_corpus_trains_and_scores(tmp_path, monkeypatch, capsys):
     """prepare_code.py end to end on a made-up tree: tokenized as PG19 is, read by train.py, scored by
     evaluate.py --ppl with the documents named by their directories."""
