@@ -61,7 +61,8 @@ def test_bench_long_checks_lengths(monkeypatch):
     with pytest.raises(SystemExit, match=r"^bench.py: error: --lengths: 1024M tokens is past the 64M DRT's streams"):
         bench.main(["--long", "--device=cpu", "--lengths=64K,1G"])
     monkeypatch.setattr(common, "available_mem", lambda: 10**6)
-    with pytest.raises(SystemExit, match=r"^bench.py: error: --lengths: a 64K-token prompt holds 0.14 GB of chunk "
+    kv = 65536 / 63 * 64 * 2 * 256 * 4 / 1e9  # positions (a landmark per 63 tokens) x keys and values x d=256 x fp32
+    with pytest.raises(SystemExit, match=rf"^bench.py: error: --lengths: a 64K-token prompt holds {kv:.2f} GB of chunk "
                                          r"keys/values in host memory, and 0.00 GB are available: use shorter lengths$"):
         bench.main(["--long", "--device=cpu", "--lengths=64K"])
 

@@ -32,7 +32,6 @@ from model import (
     DRT,
     ChunkStore,
     DRTConfig,
-    alibi_bias,
     alibi_slopes,
     gca_reference,
     insert_landmarks,
@@ -80,16 +79,46 @@ def test_landmark_id_default():
 # positions (ALiBi) and sliding-window attention: blocked SDPA and FlexAttention against a dense softmax
 
 
+def band(L, W, slopes):
+    """(H, L, L): -slope * (i - j) where 0 <= i - j < W, else -inf; W=None: -slope * |i - j| everywhere."""
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    if W is None:
+        return -slopes[:, None, None] * (i - j).abs()
+    return torch.where((i - j >= 0) & (i - j < W), -slopes[:, None, None] * (i - j), float("-inf"))
+
+
+def test_alibi_slopes():
+    """Press et al.'s slopes: 2^(-8/n), 2^(-16/n), ... for n a power of two; otherwise those of the power of
+    two below, then every other slope of the one above (6 heads: 4's, then 8's first and third)."""
+    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]
+    assert alibi_slopes(4).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
+    assert alibi_slopes(6).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
+    want = [2.0 ** -i for i in range(1, 9)] + [2.0 ** -(i / 2) for i in (1, 3, 5, 7)]  # 12: 8's, then 16's odd ones
+    assert alibi_slopes(12).tolist() == pytest.approx(want, rel=1e-6)
+
+
+def test_encoder_attention_is_bidirectional_alibi():
+    """The chunk encoder's attention: every position of a chunk sees every other, biased by -slope * |i - j|."""
+    from model import SelfAttention
+    torch.manual_seed(0)
+    cfg = tiny_config(n_embd=32, n_head=4)
+    att = SelfAttention(cfg, causal=False).double()
+    x = torch.randn(3, 8, 32, dtype=torch.float64)  # (chunks, S, C)
+    q, k, v = att.c_attn(x).view(3, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+    y = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + band(8, None, alibi_slopes(4).double()), -1) @ v
+    torch.testing.assert_close(att(x), att.c_proj(y.transpose(1, 2).reshape(3, 8, 32)))
+
+
 @pytest.mark.parametrize("L,W,ring", [(5, 8, False), (8, 8, False), (29, 8, False), (29, 8, True), (3, 8, True)])
 def test_window_attention_matches_dense(L, W, ring):
-    """Blocked sliding-window attention == a dense softmax with an explicit band mask."""
+    """Blocked sliding-window attention == a dense softmax with the band and ALiBi built here."""
     from model import KVRing
     torch.manual_seed(L)
     B, H, D, P = 2, 4, 8, 11  # P: positions before the segment, held in the ring
     slopes = alibi_slopes(H).double()
     q, k, v = (torch.randn(B, H, P + L, D, dtype=torch.float64) for _ in range(3))
     pos = torch.arange(P + L)
-    dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + alibi_bias(pos, pos, slopes, W), -1) @ v
+    dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + band(P + L, W, slopes), -1) @ v
     if ring:
         r = KVRing(W)
         r.write(k[:, :, :P], v[:, :, :P], pos[:P])
@@ -97,9 +126,7 @@ def test_window_attention_matches_dense(L, W, ring):
         torch.testing.assert_close(got, dense[:, :, P:])
     else:
         got = window_attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], 0, W, slopes)
-        pos = torch.arange(L)
-        dense = torch.softmax(q[:, :, :L] @ k[:, :, :L].transpose(-1, -2) / math.sqrt(D)
-                              + alibi_bias(pos, pos, slopes, W), -1) @ v[:, :, :L]
+        dense = torch.softmax(q[:, :, :L] @ k[:, :, :L].transpose(-1, -2) / math.sqrt(D) + band(L, W, slopes), -1) @ v[:, :, :L]
         torch.testing.assert_close(got, dense)
 
 
@@ -137,8 +164,7 @@ def test_flex_window_attention(L, W, block):
     B, H, D = 2, 4, 8
     q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
     slopes = alibi_slopes(H)
-    pos = torch.arange(L)
-    dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + alibi_bias(pos, pos, slopes, W), -1) @ v
+    dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + band(L, W, slopes), -1) @ v
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
         flex = flex_window_attention(q, k, v, W, slopes, tile=block)
@@ -158,9 +184,8 @@ def test_cuda_flex_window_attention(dtype):
         q, k, v = (torch.randn(2, 4, L, 64, device="cuda") for _ in range(3))
         do = torch.randn_like(q)
         slopes = alibi_slopes(4).cuda()
-        pos = torch.arange(L, device="cuda")
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = torch.softmax(ins[0] @ ins[1].transpose(-1, -2) / 8 + alibi_bias(pos, pos, slopes, W), -1) @ ins[2]
+        ref = torch.softmax(ins[0] @ ins[1].transpose(-1, -2) / 8 + band(L, W, slopes.cpu()).cuda(), -1) @ ins[2]
         ref_grads = torch.autograd.grad(ref, ins, do)
         ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         out = window_attention(*ins, 0, W, slopes)
@@ -722,6 +747,7 @@ def test_configs_train(groups):
     logits, loss = model(idx, idx)
     assert logits.shape == (2, 73, 96) and torch.isfinite(loss)
     loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())  # every layer reads its GCA
     if not groups:
         assert model.encoder is None and len(model.upper) == 0
 
@@ -1010,6 +1036,20 @@ def test_decode_picks_equal_full_under_bf16():
         decoded = stream_picks(model, idx, model.new_state())
     for g in range(2):
         assert torch.equal(decoded[g], full[g][: len(decoded[g])]), f"group {g} picks differ"
+
+
+def test_retrieval_scores_are_fp32_under_autocast():
+    """Two chunks whose Eq. 1 scores differ by 2^-10, which bf16 rounds to one value (then the tie would go to
+    the earlier chunk): under bf16 autocast the better, later one is still picked."""
+    C = 64
+    q = torch.zeros(1, 1, C)
+    q[..., 0] = math.sqrt(C)  # score = l[0]
+    lm = torch.zeros(1, 2, C)
+    lm[0, :, 0] = torch.tensor([1.0, 1.0 + 2.0 ** -10])
+    assert lm[0, 0, 0].bfloat16() == lm[0, 1, 0].bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx, ok = topk_earlier(q, [lm], torch.tensor([5]), 1)
+    assert idx.item() == 1 and ok.all()
 
 
 @cuda

@@ -13,7 +13,7 @@ import torch
 
 import common
 import train
-from conftest import tiny_args, tiny_checkpoint, tiny_config, tiny_model, tokenizer_or_skip, tokens
+from conftest import all_logits, rel_err, tiny_args, tiny_checkpoint, tiny_config, tiny_model, tokenizer_or_skip, tokens
 from model import DRT, insert_landmarks
 
 # -----------------------------------------------------------------------------
@@ -373,12 +373,32 @@ def test_haystack_mix(tmp_path, monkeypatch):
 
 def test_generate_odd_prompt():
     """sample.generate: prompts prefilled in segments that cut chunks, then one token at a time; never the
-    landmark or a padding id."""
+    landmark or a padding id. Greedy, it continues as the argmax of a full forward over the whole text so far
+    does, however the prompt is cut; top_k=1 samples that argmax too; top_k=5 draws only among the 5 likeliest."""
     import sample
-    model = tiny_model(dtype=torch.float32).eval()
+    model = tiny_model(dtype=torch.float64).eval()
     for T in (1, 13, 50):
-        out = sample.generate(model, tokens(model.config, 1, T, seed=T), 10, temperature=1.0, top_k=5, prefill_segment=9)
-        assert out.shape == (1, 10) and (out < model.config.landmark_id).all()
+        idx = tokens(model.config, 1, T, seed=T)
+        want = idx
+        with torch.no_grad():
+            for _ in range(8):  # the reference: a full forward over prompt + what was generated, each step
+                logits, _ = model(want)
+                want = torch.cat([want, logits[:, -1, : model.config.landmark_id].argmax(-1, keepdim=True)], 1)
+            states = [model.new_state(), model.new_state()]
+            greedy = [sample.generate(model, idx, 8, temperature=0, state=st, prefill_segment=seg)
+                      for st, seg in zip(states, (9, 10**6))]
+            assert all(torch.equal(g, want[:, T:]) for g in greedy)
+            one = model.new_state()  # the same text in one call: the streams must hold what it holds
+            model(want, state=one)
+            logits = [model(torch.full((1, 1), 7), state=st)[0] for st in (*states, one)]
+            assert max(rel_err(a, logits[-1]) for a in logits[:2]) < 1e-10
+            torch.manual_seed(T)
+            assert torch.equal(sample.generate(model, idx, 8, top_k=1, prefill_segment=9), want[:, T:])
+            out = sample.generate(model, idx, 10, temperature=1.0, top_k=5, prefill_segment=9)
+            assert out.shape == (1, 10) and (out < model.config.landmark_id).all()
+            logits = all_logits(model, torch.cat([idx, out], 1))
+            top5 = logits[0, T - 1 : T + 9, : model.config.landmark_id].topk(5).indices  # (10, 5) at each draw
+            assert (top5 == out[0, :, None]).any(1).all()
 
 
 def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):

@@ -682,11 +682,25 @@ def test_ddp_rank_dies(tmp_path):
 
 def test_train_reports_retrieval_health(tmp_path, capsys):
     """Each evaluation line of a DRT run carries sum w, max w and GCA's sink share (a dying retriever,
-    or GCA reading nothing, shows there); the baseline's does not."""
+    or GCA reading nothing, shows there): those of the first validation micro-batch, as common.retrieval_stats
+    gives them for the saved model; the baseline's line has none."""
+    import types
+
+    import common
     train.main(tiny_args(tmp_path, "drt", "--max_iters=3"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
-    health = r"\| retrieval: sum w [01]\.\d{3}, max w [01]\.\d{3}, sink [01]\.\d\d$"
+    health = r"\| retrieval: sum w ([01]\.\d{3}), max w ([01]\.\d{3}), sink ([01]\.\d\d)$"
     assert len(lines) == 2 and all(re.search(health, x) for x in lines)
+    ckpt = load_ckpt(tmp_path / "drt")  # the model of the last line
+    c = types.SimpleNamespace(**ckpt["config"])
+    model = DRT(DRTConfig(**{**ckpt["model_args"], "groups": tuple(ckpt["model_args"]["groups"])})).eval()
+    model.load_state_dict(ckpt["model"])
+    record = []
+    with torch.no_grad():
+        model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)),
+              return_logits=False, record=record)
+    stats = common.retrieval_stats(record, c.topk)
+    assert re.search(health, lines[-1]).groups() == (f"{stats['sum_w']:.3f}", f"{stats['max_w']:.3f}", f"{stats['sink']:.2f}")
     train.main(tiny_args(tmp_path, "nosink", "--max_iters=3", "--gca_sink=False"))  # the slot is a key like the others
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
     assert len(lines) == 2 and all(re.search(health.replace("sink", "landmark slot"), x) for x in lines)
