@@ -123,6 +123,8 @@ TEMPLATES = {
     "code": (" The secret code is {k}.", " What is the secret code? The secret code is",
              " The secret code for {n} is {k}.", " What is the secret code for {n}? The secret code for {n} is"),
 }
+
+
 def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=5):
     """-> (needle texts in order of appearance, question text, answer text, the index of the needle
     that holds the answer: None for vartrack, whose answer is two needles away). names: multi-key's;

@@ -53,7 +53,7 @@ overwrite = False  # True: a run from scratch or a fine-tune may replace the ckp
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt, its config), or another run's ckpt.pt/folder to fine-tune
 stop_iter = 0  # stop and save after this step, the schedule unchanged (a long run in pieces); 0 = max_iters
 # data
-dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or passkey|multikey (tasks.py), or both, comma-separated
+dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or tasks.py's passkey, multikey or "passkey,multikey"
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
