@@ -301,8 +301,9 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
         raise ValueError(f"max_books={max_books}: give a positive number of books per split, or none for all")
     if train_every < 1:
         raise ValueError(f"train_every={train_every}: give a positive number")
-    books = {s: list_books(source, s, max_books)[:: train_every if s == "train" else 1]  # every split before
-             for s in splits}  # any real work
+    books = {s: list_books(source, s, max_books) for s in splits}  # every split before any real work
+    if "train" in books:
+        books["train"] = books["train"][::train_every]
     if why := unwritable(out_dir):
         raise ValueError(f"output folder {why}: pass --out to a writable folder")
     ranks_file = ranks_file or os.environ.get("DRT_GPT2_RANKS")

@@ -687,15 +687,14 @@ def test_train_reports_retrieval_health(tmp_path, capsys):
     import types
 
     import common
+    import sample
     train.main(tiny_args(tmp_path, "drt", "--max_iters=3"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
     health = r"\| retrieval: sum w ([01]\.\d{3}), max w ([01]\.\d{3}), sink ([01]\.\d\d)$"
     assert len(lines) == 2 and all(re.search(health, x) for x in lines)
     ckpt = load_ckpt(tmp_path / "drt")  # the model of the last line
     c = types.SimpleNamespace(**ckpt["config"])
-    model = DRT(DRTConfig(**{**ckpt["model_args"], "groups": tuple(ckpt["model_args"]["groups"])})).eval()
-    model.load_state_dict(ckpt["model"])
-    record = []
+    model, record = sample.build_model(ckpt, "cpu"), []
     with torch.no_grad():
         model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)),
               return_logits=False, record=record)
