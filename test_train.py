@@ -95,7 +95,8 @@ def test_config_files_layer():
     cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
     assert (c["block_size"], cfg.n_embd, cfg.topk) == (8190, 384, 4)  # code_lm's shape stays
     assert 0 < c["teacher_iters"] < c["max_iters"] and cfg.read_next and not cfg.softmax_off_by_one
-    assert {"teacher_iters", "pool_tokens", "block_size"} <= explicit
+    assert {"teacher_iters", "pool_tokens", "block_size", "learning_rate"} <= explicit
+    assert c["learning_rate"] < parse([os.path.join(HERE, "config", "code_lm.py")])[0]["learning_rate"]
 
 
 def test_overrides():

@@ -2,12 +2,16 @@
 #   python train.py config/code_lm.py config/code_teacher.py     # two such runs share one H200 in ~10 minutes
 # For the first teacher_iters steps GCA reads, for each chunk, the earlier chunks that share the most
 # rare tokens with the chunk after it (train.py's teacher_picks): the read path learns to copy from
-# chunks that help. Then Eq. 1 picks alone: past 4K its picks are 6.5-9.8% better than random ones in
+# chunks that help. Then Eq. 1 picks alone: past 4K its picks are 6.6-8.5% better than random ones in
 # every run (the README's code table). Evaluation (evaluate.py --ppl, --inspect) always uses Eq. 1.
 out_dir = "out-code-teacher"
 max_iters = 4000  # 262M tokens
 eval_interval = 500
 teacher_iters = 3000
+# Half code_lm.py's peak rate. At 2e-3 one command landed anywhere in 3.60-4.01 overall (twins parted within
+# the teacher's steps); at 1e-3 four runs (seeds 0 and 1, each twice) gave 3.53-3.54, and lower.
+learning_rate = 1e-3
+min_lr = 1e-4
 
 # The four departures of the read path (model.py's DRTConfig): the runs in which GCA first copied on code
 # used them together; with the paper's read path, handed the right chunks, it did not copy (the notes).
