@@ -8,8 +8,8 @@ out_dir = "out-code-teacher"
 max_iters = 4000  # 262M tokens
 eval_interval = 500
 teacher_iters = 3000
-# Half code_lm.py's peak rate. At 2e-3 one command landed anywhere in 3.60-4.01 overall (twins parted within
-# the teacher's steps); at 1e-3 four runs (seeds 0 and 1, each twice) gave 3.53-3.54, and lower.
+# Half code_lm.py's peak rate. At 2e-3 the same command landed anywhere in 3.60-4.01 overall (twins parted
+# within the teacher's steps); at 1e-3 four runs (seeds 0 and 1, each twice) all gave 3.53-3.54.
 learning_rate = 1e-3
 min_lr = 1e-4
 
