@@ -136,7 +136,10 @@ def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=
         return [needle.format(k=key)], question, f" {key}", 0
     if task == "multikey":
         names = rng.sample(names, keys)
-        numbers = [number() for _ in names]
+        numbers = []
+        while len(numbers) < len(names):  # distinct, so a key names one needle (a redraw only on a collision)
+            if (k := number()) not in numbers:
+                numbers.append(k)
         ask = rng.randrange(len(names))
         return ([named.format(n=n, k=k) for n, k in zip(names, numbers)], named_question.format(n=names[ask]),
                 f" {numbers[ask]}", ask)

@@ -219,6 +219,27 @@ def test_task_variants(monkeypatch):
         tasks.make_example("passkey", 400, random.Random(0), enc, past=500)
 
 
+def test_multikey_keys_are_distinct():
+    """A multi-key prompt's keys are distinct, so a key names one needle: at 16 keys of 3 digits ~13% of
+    prompts would draw a key twice. Only a collision draws again: a prompt whose first draws differ is unchanged."""
+    import random
+
+    import tasks
+    changed = 0
+    for seed in range(2000):
+        needles, _, answer, ask = tasks.needles_and_question("multikey", random.Random(seed), keys=16, digits=3)
+        keys = [re.search(r" is (\d+)\.", n)[1] for n in needles]
+        assert len(set(keys)) == 16 and answer == f" {keys[ask]}"
+        rng = random.Random(seed)
+        rng.sample(tasks.NAMES, 16)
+        first = [str(rng.randrange(100, 1000)) for _ in range(16)]
+        if len(set(first)) == 16:
+            assert keys == first
+        else:
+            changed += 1
+    assert changed > 200  # 13% of these prompts drew a key twice (C(16, 2) / 900), and drew again
+
+
 def test_score_is_strict(monkeypatch):
     """Right = the answer, then something that does not continue the number: the
     [' 7', '14', '32', '5'] for 71432 spells 714325 and is wrong (the first len(answer) tokens alone
