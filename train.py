@@ -476,9 +476,8 @@ def main(argv=None):
             signal.signal(s, handler)
         if ddp:
             dist.destroy_process_group()
-            # Gloo's worker thread may still hold the last collectives' tensors; freed during the interpreter's
-            # exit, they take the GIL as Python shuts down and the rank dies of SIGABRT (5 runs of 52 on two loaded
-            # CPU ranks). Collected here, while Python is alive, the process group goes first (0 runs of 120).
+            # gloo's worker may still hold the last collectives' tensors: freed as Python exits they take the GIL, and
+            # the rank dies of SIGABRT (5 runs of 52 on a loaded CPU; 0 of 120 collected here, while Python lives)
             gc.collect()
 
 
