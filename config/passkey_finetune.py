@@ -37,7 +37,7 @@ max_iters = 8000
 # For its first 3,000 steps GCA's last slot reads the chunk a teacher finds (train.teacher_picks: the
 # most idf-weighted ids shared with the next chunk, which on these rows is the needle asked for), the
 # other slots Eq. 1's own best. Without it stage 2 stalled on 2 runs of 4 (validation loss 0.95, 1.30); with
-# it 10 runs of 11 over five seeds reached a best validation loss of 0.003-0.050 and one 0.386 (the README's table);
+# it 11 runs of 12 over five seeds reached a best validation loss of 0.003-0.050 and one 0.386 (the README's table);
 # with the teacher in all top-k slots Eq. 1 learned to rank the needle only above the teacher's other picks.
 teacher_iters = 3000
 teacher_slots = 1
