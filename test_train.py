@@ -768,7 +768,8 @@ def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
 def test_teacher_hands_over_the_asked_needle(monkeypatch):
     """config/passkey_finetune.py's teacher: on stage 2's rows (passkey and 2-16-key multi-key, three phrasings),
     the one chunk it hands the landmark that serves the answer is the chunk of the needle asked for, which
-    lets the read path learn to copy the key before Eq. 1 can find it."""
+    lets the read path learn to copy the key before Eq. 1 can find it. In the filler sentences, as here; in books
+    it is the needle about half the time (NOTES.md, the long-context recipe)."""
     import random
     import types
     import tasks

@@ -35,9 +35,11 @@ min_lr = 1e-4
 warmup_frac = 0.05
 max_iters = 8000
 # For its first 3,000 steps GCA's last slot reads the chunk a teacher finds (train.teacher_picks: the
-# most idf-weighted ids shared with the next chunk, which on these rows is the needle asked for), the
-# other slots Eq. 1's own best. Without it stage 2 stalled on 2 runs of 4 (validation loss 0.95, 1.30); with
-# it 11 runs of 12 over five seeds reached a best validation loss of 0.003-0.050 and one 0.386 (the README's table);
-# with the teacher in all top-k slots Eq. 1 learned to rank the needle only above the teacher's other picks.
+# most idf-weighted ids shared with the next chunk: in the filler the needle asked for; in a book about half the
+# time, as the answer's chunk goes on with the book), the other slots Eq. 1's own best. Without it stage 2
+# stalled on 2 runs of 4 (validation loss 0.95, 1.30); with it 11 runs of 12 over five seeds reached a best
+# validation loss of 0.003-0.050 and one 0.386 (the README's table); with the teacher in all top-k slots Eq. 1
+# learned to rank the needle only above the teacher's other picks, and with the answer alone matched (the needle in
+# every book row) one run learned slower (NOTES.md).
 teacher_iters = 3000
 teacher_slots = 1
