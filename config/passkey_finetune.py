@@ -40,6 +40,6 @@ max_iters = 8000
 # stalled on 2 runs of 4 (validation loss 0.95, 1.30); with it 11 runs of 12 over five seeds reached a best
 # validation loss of 0.003-0.050 and one 0.386 (the README's table); with the teacher in all top-k slots Eq. 1
 # learned to rank the needle only above the teacher's other picks, and with the answer alone matched (the needle in
-# every book row) one run learned slower (NOTES.md).
+# every book row) one run was no better (NOTES.md).
 teacher_iters = 3000
 teacher_slots = 1
