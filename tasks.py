@@ -354,16 +354,16 @@ def needle_labels(x, y, T):
     """For needle_rank_loss, from training rows x, y (B, L) of get_batch: (B, L // T) int64, at the landmark that
     serves a row's answer (chunk p // T - 1, p the answer's first position) the chunk that holds the asked key,
     where that chunk lies before the landmark (one in the window's chunk needs no retrieval); -1 elsewhere."""
-    labels = torch.full((x.size(0), x.size(1) // T), -1, dtype=torch.long)
-    for b in range(x.size(0)):
-        at = (y[b] >= 0).nonzero()
+    labels = np.full((x.size(0), x.size(1) // T), -1, dtype=np.int64)
+    for b, (xb, yb) in enumerate(zip(x.numpy(), y.numpy())):  # numpy: this runs every step, beside the GPU's
+        at = np.flatnonzero(yb >= 0)
         if not len(at):
             continue
-        p, answer = int(at[0]), y[b, y[b] >= 0].tolist()[:-1]  # the key's tokens, without ANSWER_END
-        need, t = needle_chunk(x[b, :p].tolist(), answer, T), p // T - 1
-        if need is not None and 0 <= need < t < labels.size(1):
+        p, answer = at[0], yb[at[:-1]].tolist()  # the key's tokens, without ANSWER_END
+        need, t = needle_chunk(xb[:p], answer, T), p // T - 1
+        if need is not None and 0 <= need < t < labels.shape[1]:
             labels[b, t] = need
-    return labels
+    return torch.from_numpy(labels)
 
 
 def in_reach(prompt, answer, T, reach):
