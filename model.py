@@ -323,6 +323,30 @@ def rank_key(s, j):
     return (b << 32) | (0xFFFFFFFF - j)
 
 
+def needle_rank_loss(q, l, needles):
+    """Training only (a departure): the cross-entropy of Eq. 1's scores that each labelled landmark ranks its needle
+    first among the batch's chunks, a pressure that outlasts the answer's loss, which fades once Eq. 3 weighs the
+    needle enough to copy it. q (B, n, C) the landmarks' queries, l (B, n, C) the chunks' landmarks, needles (B, n):
+    the chunk to rank first (< its landmark), -1 for none; a row labels one landmark at most. Rivals: the row's
+    chunks before the landmark, and other rows' chunks before their labelled landmark; the needle's neighbours,
+    which may hold part of it, are left out in every row."""
+    B, n, C = q.shape
+    s = (upcast(q).flatten(0, 1) @ upcast(l).flatten(0, 1).T / math.sqrt(C)).view(B, n, B, n)  # fp32
+    j = torch.arange(n, device=q.device)
+    labelled = needles >= 0  # (B, n)
+    t_row = (labelled * j).amax(1)  # (B,) each row's labelled landmark (0: none, so no chunk before it)
+    need_row = needles.amax(1)  # (B,) its needle, -1: none
+    away = (j - need_row[:, None]).abs() != 1  # (B, n) not a neighbour of the row's needle
+    other = (j < t_row[:, None]) & away & (j != need_row[:, None])  # (B, n) chunks other rows may rank
+    own = (j[None, :] < j[:, None])[None] & away[:, None, :]  # (B, n, n) the row's earlier chunks
+    same = torch.eye(B, dtype=torch.bool, device=q.device)[:, None, :, None]  # (B, 1, B, 1)
+    valid = torch.where(same, own[:, :, None, :], other[None, None])  # (B, n, B, n)
+    valid = valid | ~labelled[:, :, None, None]  # unlabelled landmarks: ignored, but kept finite
+    target = torch.where(labelled, torch.arange(B, device=q.device)[:, None] * n + needles, -1)  # (B, n)
+    return F.cross_entropy(s.masked_fill(~valid, float("-inf")).view(B * n, B * n), target.view(-1),
+                           ignore_index=-1, reduction="sum") / labelled.sum().clamp(min=1)
+
+
 def softmax_off_by_one(r, off_by_one=True):
     """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries get 0. The 1 is a virtual chunk
     of score 0 and empty output: a group may ignore poor picks. False: plain softmax."""
@@ -587,17 +611,21 @@ class DRT(nn.Module):
             if targets is not None and ((targets < -1) | (targets >= cfg.vocab_size)).any():  # -100 would read as 0
                 raise ValueError(f"targets must be token ids in [0, {cfg.vocab_size}) or -1 (ignored)")
 
-    def forward(self, idx, targets=None, state=None, return_logits=True, picks=None, record=None):
+    def forward(self, idx, targets=None, state=None, return_logits=True, picks=None, record=None, needles=None):
         """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-
         entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=False: logits
         None, the loss never holding (B, T, vocab). state: a StreamState to continue, else one training row.
         picks (n, K) or (B, n, K): chunks the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a
-        teacher or an oracle. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w)."""
+        teacher or an oracle. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w).
+        needles (B, n): for a whole row, the chunk each landmark's Eq. 1 should rank first (-1: none); then forward
+        returns (logits, loss, needle_rank_loss summed over the groups)."""
         self.check_input(idx, targets)
-        if picks is not None and state is not None:
-            raise ValueError("picks are handed in for a whole row (state=None), not for a stream")
-        x, offset = self.run(idx, state, picks, record)
-        return self.logits_and_loss(x, offset, idx.size(1), targets, return_logits)
+        if (picks is not None or needles is not None) and state is not None:
+            raise ValueError("picks and needles are handed in for a whole row (state=None), not for a stream")
+        rank = [] if needles is not None else None
+        x, offset = self.run(idx, state, picks, record, needles=needles, rank=rank)
+        out = self.logits_and_loss(x, offset, idx.size(1), targets, return_logits)
+        return out if rank is None else (*out, sum(rank))
 
     @torch.no_grad()
     def skim(self, idx, state):
@@ -607,7 +635,7 @@ class DRT(nn.Module):
         self.check_input(idx, None)
         self.run(idx, state, memory_only=True)
 
-    def run(self, idx, state=None, picks=None, record=None, memory_only=False):
+    def run(self, idx, state=None, picks=None, record=None, memory_only=False, needles=None, rank=None):
         """The pipeline of §3 over idx (B, T): one training row (state None), or the next segment of a stream,
         continuing and updating state -> the last layer's states (B, L, C) and the offset of the segment in
         its first chunk. memory_only (skim): the lower layers and the chunk memory alone -> (None, offset)."""
@@ -631,6 +659,8 @@ class DRT(nn.Module):
             if n:  # the group's input at the landmarks (Eq. 1's query), or pool_tokens' centred means
                 h = pooled if cfg.pool_tokens else x[:, S - 1 - offset : n * S - offset : S]  # (B, n, C)
                 made = self.retrieve(g, h, chunk_ids, memory, picks, record)  # (idx, w) (B, n, K)
+                if needles is not None:  # a training row: chunk_ids are 0 .. n-1, memory.l the row's landmarks
+                    rank.append(needle_rank_loss(self.ret_norm[g](h), memory.l, needles))
             if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read
                 sel, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
                 decoding = n_chunks == 1 and carried is not None  # a stream's picks were gathered last call

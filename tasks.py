@@ -350,6 +350,22 @@ def needle_chunk(prompt, answer, T):
     return (at[0] + len(answer) // 2) // T if at else None  # a middle token: the chunk that holds most of it
 
 
+def needle_labels(x, y, T):
+    """For needle_rank_loss, from training rows x, y (B, L) of get_batch: (B, L // T) int64, at the landmark that
+    serves a row's answer (chunk p // T - 1, p the answer's first position) the chunk that holds the asked key,
+    where that chunk lies before the landmark (one in the window's chunk needs no retrieval); -1 elsewhere."""
+    labels = np.full((x.size(0), x.size(1) // T), -1, dtype=np.int64)
+    for b, (xb, yb) in enumerate(zip(x.numpy(), y.numpy())):  # numpy: this runs every step, beside the GPU's
+        at = np.flatnonzero(yb >= 0)
+        if not len(at):
+            continue
+        p, answer = at[0], yb[at[:-1]].tolist()  # the key's tokens, without ANSWER_END
+        need, t = needle_chunk(xb[:p], answer, T), p // T - 1
+        if need is not None and 0 <= need < t < labels.shape[1]:
+            labels[b, t] = need
+    return torch.from_numpy(labels)
+
+
 def in_reach(prompt, answer, T, reach):
     """Whether the answer's last mention lies within `reach` positions (a landmark per T text tokens) of the
     prompt's last token, where the windows can copy it."""

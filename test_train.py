@@ -791,3 +791,83 @@ def test_teacher_hands_over_the_asked_needle(monkeypatch):
         if max(needle) < p // T - 1:  # outside the window's chunks: retrieval's job
             found.append(int(picks[b, p // T - 1, -1]) in needle)
     assert len(found) >= 24 and sum(found) >= 0.9 * len(found), (sum(found), len(found))
+
+
+def test_needle_labels_point_at_the_asked_key(monkeypatch):
+    """tasks.needle_labels on stage 2's rows: one label a row, at the landmark that serves the answer, naming the chunk
+    that holds the asked key, wherever that chunk lies before the landmark (else no label)."""
+    import random
+    import types
+    import tasks
+    tokenizer_or_skip(monkeypatch)
+    files = [os.path.join(HERE, "config", f) for f in ("passkey_pretrain.py", "passkey_finetune.py")]
+    c, _ = parse(files + ["--task_haystack=", "--batch_size=32"])
+    T, rows = c["chunk_size"] - 1, tasks.TaskRows(types.SimpleNamespace(**c))
+    x, y = rows.batch("train", random.Random(1), True)
+    labels = tasks.needle_labels(x, y, T)
+    assert labels.shape == (x.size(0), x.size(1) // T)
+    for b in range(x.size(0)):
+        p = int((y[b] >= 0).nonzero()[0, 0])
+        answer, xs = y[b, y[b] >= 0].tolist()[:-1], x[b, :p].tolist()
+        first = next(i for i in range(p) if xs[i:i + len(answer)] == answer)
+        holds = {(first + k) // T for k in range(len(answer))}  # the chunks of the key's first mention
+        t, got = p // T - 1, (labels[b] >= 0).nonzero().flatten().tolist()
+        if min(holds) < t:
+            assert got == [t] and int(labels[b, t]) in holds, (b, got, holds)
+        else:
+            assert got == []
+    assert (labels >= 0).sum() >= 0.75 * x.size(0)
+
+
+def test_needle_rank_loss_against_a_loop():
+    """model.needle_rank_loss: the mean over labelled landmarks of -log softmax of Eq. 1's scores at the needle, over
+    the row's earlier chunks but the needle's neighbours and the other rows' chunks before their own landmark, off
+    their needle and its neighbours; its gradient raises the needle's score over its rivals."""
+    import math
+    from model import needle_rank_loss
+    torch.manual_seed(0)
+    B, n, C = 4, 7, 8
+    q, l = torch.randn(B, n, C, requires_grad=True), torch.randn(B, n, C)
+    needles = torch.full((B, n), -1)
+    needles[0, 5], needles[1, 6], needles[2, 2] = 1, 3, 0  # row 3: no label, so none of its chunks is a rival
+    want = 0
+    for b in range(3):
+        t = int((needles[b] >= 0).nonzero()[0, 0])
+        j = int(needles[b, t])
+        rivals = [(b, k) for k in range(t) if abs(k - j) != 1]
+        for b2 in range(3):
+            t2 = int((needles[b2] >= 0).nonzero()[0, 0])
+            j2 = int(needles[b2, t2])
+            rivals += [(b2, k) for k in range(t2) if abs(k - j2) > 1] if b2 != b else []
+        s = torch.stack([q[b, t] @ l[b2, k] / math.sqrt(C) for b2, k in rivals])
+        want = want - torch.log_softmax(s, 0)[rivals.index((b, j))] / 3
+    got = needle_rank_loss(q, l, needles)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    assert torch.isfinite(q.grad).all() and q.grad[3].abs().sum() == 0 and q.grad[0, 5].abs().sum() > 0
+    with torch.no_grad():
+        before = q[0, 5] @ l[0, 1] - (q[0, 5] @ l[0, 3])
+        q -= 0.1 * q.grad
+        assert q[0, 5] @ l[0, 1] - (q[0, 5] @ l[0, 3]) > before
+    assert needle_rank_loss(q, l, torch.full((B, n), -1)) == 0
+
+
+def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
+    """--needle_loss: forward gets the batch's labels in training (not in evaluation), and the run trains; a text
+    dataset, which has no needles, is refused before anything is made."""
+    tokenizer_or_skip(monkeypatch)
+    seen, orig = [], DRT.forward
+
+    def spy(self, idx, *args, needles=None, **kwargs):
+        seen.append((self.training, None if needles is None else tuple(needles.shape)))
+        return orig(self, idx, *args, needles=needles, **kwargs)
+    monkeypatch.setattr(DRT, "forward", spy)
+    args = ["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1", "--chunk_size=8",
+            "--window=16", "--topk=3", "--block_size=70", "--batch_size=4", "--tokens_per_step=0", "--max_iters=2",
+            "--eval_interval=2", "--eval_iters=1", "--device=cpu", "--needle_loss=0.5", f"--out_dir={tmp_path / 'n'}"]
+    hist = train.main(args)
+    assert all(np.isfinite(loss) for _, loss in hist)
+    assert [s for training, s in seen if training] == [(4, 70 // 7)] * 2
+    assert {s for training, s in seen if not training} == {None}
+    with pytest.raises(train.ConfigError, match="needle_loss"):
+        train.main(tiny_args(tmp_path, "text", "--needle_loss=0.5", "--max_iters=2"))

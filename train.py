@@ -59,6 +59,7 @@ data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
 teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
+needle_loss = 0.0  # task rows: weight of model.needle_rank_loss, Eq. 1 ranking the asked needle first in the batch
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
 task_haystack = ""  # a .bin of prepare_pg19.py whose text hides the needles; "" = the repeated sentences only
@@ -142,12 +143,13 @@ class Data:
             self.rows = (tasks.TaskRows if is_tasks(c.dataset) else tasks.TextRows)(c)
         except (OSError, ValueError) as e:
             raise ConfigError(e) from None
-        self.vocab, self.device = self.rows.vocab, device
+        self.vocab, self.device, self.T = self.rows.vocab, device, c.chunk_size - 1
 
-    def batch(self, split, rng, training=False):  # (x, y), (B, T) each, on the device
-        pin = self.device.type == "cuda"
-        return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
-                     for t in self.rows.batch(split, rng, training))
+    def batch(self, split, rng, training=False, needles=False):  # (x, y), (B, T) each, on the device
+        pin = self.device.type == "cuda"  # needles: + tasks.needle_labels (B, T // (chunk_size - 1))
+        rows = self.rows.batch(split, rng, training)
+        rows = (*rows, tasks.needle_labels(*rows, self.T)) if needles else rows
+        return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin) for t in rows)
 
 
 def teacher_picks(idx, cfg, slots=0):
@@ -245,6 +247,8 @@ def check_run(c, given, ckpt, src, world_size, master, device):
     vars(c).update(model_args)  # what is built (e.g. landmark_id filled in): the checkpoint's config says so
     if c.teacher_iters and not c.groups:
         raise ConfigError("teacher_iters hands chunks to GCA, which a model without groups lacks")
+    if c.needle_loss and (not is_tasks(c.dataset) or not c.groups or c.read_next or c.needle_loss < 0):
+        raise ConfigError(f"needle_loss={c.needle_loss} needs a task dataset, a model with groups and read_next=False")
     if not 0 <= c.teacher_slots <= c.topk:
         raise ConfigError(f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]")
     model_args["groups"] = list(model_args["groups"])
@@ -302,13 +306,13 @@ def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum,
         if micro:
             progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
         g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-        x, y = data.batch("train", step_rng(c.seed, "train", iter_num, g), training=True)
+        x, y, *needles = data.batch("train", step_rng(c.seed, "train", iter_num, g), True, c.needle_loss > 0)
         torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
         picks = teacher_picks(x, raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None  # (B, n, K) or None
         with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
             with autocast:
-                _, loss = model(x, y, return_logits=False, picks=picks)
-            (loss / grad_accum).backward()
+                _, loss, *rank = model(x, y, return_logits=False, picks=picks, needles=needles[0] if needles else None)
+            ((loss + c.needle_loss * rank[0] if rank else loss) / grad_accum).backward()
         step_loss = step_loss + loss.detach().float() / grad_accum
     if c.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
