@@ -248,7 +248,8 @@ def check_run(c, given, ckpt, src, world_size, master, device):
     if c.teacher_iters and not c.groups:
         raise ConfigError("teacher_iters hands chunks to GCA, which a model without groups lacks")
     if c.needle_loss and (not is_tasks(c.dataset) or not c.groups or c.read_next or c.needle_loss < 0):
-        raise ConfigError(f"needle_loss={c.needle_loss} needs a task dataset, a model with groups and read_next=False")
+        raise ConfigError(f"needle_loss={c.needle_loss}: a weight >= 0 for a task dataset (its needles) and a model "
+                          f"with groups and read_next=False")
     if not 0 <= c.teacher_slots <= c.topk:
         raise ConfigError(f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]")
     model_args["groups"] = list(model_args["groups"])
