@@ -621,11 +621,11 @@ class DRT(nn.Module):
         returns (logits, loss, needle_rank_loss summed over the groups)."""
         self.check_input(idx, targets)
         if (picks is not None or needles is not None) and state is not None:
-            raise ValueError("picks and needles are handed in for a whole row (state=None), not for a stream")
-        rank = [] if needles is not None else None
-        x, offset = self.run(idx, state, picks, record, needles=needles, rank=rank)
+            raise ValueError("picks are handed in for a whole row (state=None), not for a stream; so are needles")
+        ranking = [] if needles is not None else None  # needle_rank_loss of each group
+        x, offset = self.run(idx, state, picks, record, needles=needles, ranking=ranking)
         out = self.logits_and_loss(x, offset, idx.size(1), targets, return_logits)
-        return out if rank is None else (*out, sum(rank))
+        return out if ranking is None else (*out, sum(ranking))
 
     @torch.no_grad()
     def skim(self, idx, state):
@@ -635,7 +635,7 @@ class DRT(nn.Module):
         self.check_input(idx, None)
         self.run(idx, state, memory_only=True)
 
-    def run(self, idx, state=None, picks=None, record=None, memory_only=False, needles=None, rank=None):
+    def run(self, idx, state=None, picks=None, record=None, memory_only=False, needles=None, ranking=None):
         """The pipeline of §3 over idx (B, T): one training row (state None), or the next segment of a stream,
         continuing and updating state -> the last layer's states (B, L, C) and the offset of the segment in
         its first chunk. memory_only (skim): the lower layers and the chunk memory alone -> (None, offset)."""
@@ -660,7 +660,7 @@ class DRT(nn.Module):
                 h = pooled if cfg.pool_tokens else x[:, S - 1 - offset : n * S - offset : S]  # (B, n, C)
                 made = self.retrieve(g, h, chunk_ids, memory, picks, record)  # (idx, w) (B, n, K)
                 if needles is not None:  # a training row: chunk_ids are 0 .. n-1, memory.l the row's landmarks
-                    rank.append(needle_rank_loss(self.ret_norm[g](h), memory.l, needles))
+                    ranking.append(needle_rank_loss(self.ret_norm[g](h), memory.l, needles))
             if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read
                 sel, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
                 decoding = n_chunks == 1 and carried is not None  # a stream's picks were gathered last call

@@ -853,7 +853,7 @@ def test_needle_rank_loss_against_a_loop():
 
 
 def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
-    """--needle_loss: forward gets the batch's labels in training (not in evaluation), and the run trains; a text
+    """--needle_loss: forward gets each micro-batch's labels in training (not in evaluation), and the run trains; a text
     dataset, which has no needles, is refused before anything is made."""
     tokenizer_or_skip(monkeypatch)
     seen, orig = [], DRT.forward
@@ -863,11 +863,11 @@ def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
         return orig(self, idx, *args, needles=needles, **kwargs)
     monkeypatch.setattr(DRT, "forward", spy)
     args = ["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1", "--chunk_size=8",
-            "--window=16", "--topk=3", "--block_size=70", "--batch_size=4", "--tokens_per_step=0", "--max_iters=2",
+            "--window=16", "--topk=3", "--block_size=70", "--batch_size=4", "--tokens_per_step=560", "--max_iters=2",
             "--eval_interval=2", "--eval_iters=1", "--device=cpu", "--needle_loss=0.5", f"--out_dir={tmp_path / 'n'}"]
-    hist = train.main(args)
+    hist = train.main(args)  # two micro-batches a step
     assert all(np.isfinite(loss) for _, loss in hist)
-    assert [s for training, s in seen if training] == [(4, 70 // 7)] * 2
+    assert [s for training, s in seen if training] == [(4, 70 // 7)] * 4
     assert {s for training, s in seen if not training} == {None}
     with pytest.raises(train.ConfigError, match="needle_loss"):
         train.main(tiny_args(tmp_path, "text", "--needle_loss=0.5", "--max_iters=2"))

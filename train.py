@@ -312,8 +312,8 @@ def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum,
         picks = teacher_picks(x, raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None  # (B, n, K) or None
         with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
             with autocast:
-                _, loss, *rank = model(x, y, return_logits=False, picks=picks, needles=needles[0] if needles else None)
-            ((loss + c.needle_loss * rank[0] if rank else loss) / grad_accum).backward()
+                _, loss, *ranking = model(x, y, return_logits=False, picks=picks, needles=needles[0] if needles else None)
+            ((loss + c.needle_loss * ranking[0] if ranking else loss) / grad_accum).backward()
         step_loss = step_loss + loss.detach().float() / grad_accum
     if c.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
