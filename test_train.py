@@ -871,3 +871,19 @@ def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
     assert {s for training, s in seen if not training} == {None}
     with pytest.raises(train.ConfigError, match="needle_loss"):
         train.main(tiny_args(tmp_path, "text", "--needle_loss=0.5", "--max_iters=2"))
+
+
+def test_train_embeddings_false_keeps_them(tmp_path):
+    """--train_embeddings=False: a fine-tune leaves init_from's token embeddings (so the tied output layer) as they were
+    while the rest trains, and resumes so; a run from scratch, which would keep random ones, is refused."""
+    train.main(tiny_args(tmp_path, "base", "--max_iters=2"))
+    base = load_ckpt(tmp_path / "base")["model"]
+    train.main(tiny_args(tmp_path, "ft", f"--init_from={tmp_path / 'base'}", "--train_embeddings=False",
+                         "--max_iters=4", "--stop_iter=2"))
+    train.main([f"--out_dir={tmp_path / 'ft'}", "--init_from=resume"])
+    ft = load_ckpt(tmp_path / "ft")
+    assert ft["iter_num"] == 4
+    assert torch.equal(ft["model"]["wte.weight"], base["wte.weight"])
+    assert any(not torch.equal(ft["model"][k], base[k]) for k in base if k != "wte.weight")
+    with pytest.raises(train.ConfigError, match="train_embeddings=False"):
+        train.main(tiny_args(tmp_path, "scratch", "--train_embeddings=False", "--max_iters=2"))

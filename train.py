@@ -60,6 +60,7 @@ copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.co
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
 teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
 needle_loss = 0.0  # task rows: weight of model.needle_rank_loss, Eq. 1 ranking the asked needle first in the batch
+train_embeddings = True  # False: a fine-tune keeps init_from's token embeddings (and so the tied output layer)
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
 task_haystack = ""  # a .bin of prepare_pg19.py whose text hides the needles; "" = the repeated sentences only
@@ -250,6 +251,8 @@ def check_run(c, given, ckpt, src, world_size, master, device):
     if c.needle_loss and (not is_tasks(c.dataset) or not c.groups or c.read_next or c.needle_loss < 0):
         raise ConfigError(f"needle_loss={c.needle_loss}: a weight >= 0 for a task dataset (its needles) and a model "
                           f"with groups and read_next=False")
+    if not c.train_embeddings and c.init_from == "scratch":
+        raise ConfigError("train_embeddings=False keeps trained embeddings: fine-tune them with --init_from=<run>")
     if not 0 <= c.teacher_slots <= c.topk:
         raise ConfigError(f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]")
     model_args["groups"] = list(model_args["groups"])
@@ -271,6 +274,7 @@ def build(c, model_args, ckpt, src, device, finetune):
     checkpoint's weights, and for a resume its optimizer state -> (model, optimizer, iter_num, best val loss)."""
     torch.manual_seed(c.seed)  # the same initial weights on every rank
     model = DRT(DRTConfig(**model_args)).to(device)
+    model.wte.weight.requires_grad_(c.train_embeddings)  # tied: the output layer stays too
     optimizer = model.configure_optimizers(c.weight_decay, c.learning_rate, c.betas, device.type)
     if not ckpt:
         return model, optimizer, 0, float("inf")
