@@ -47,6 +47,6 @@ teacher_slots = 1
 # the answer to rank the asked needle's chunk first among its row's earlier chunks and the batch's other rows'
 # chunks. The answer's loss stops shaping Eq. 1 once the needle weighs enough to copy it, which left the needle a
 # thin margin over the thousands of book chunks of a long test: one run of twelve without it lost the passkey with
-# length (needle w 0.33 at 1M, 0.10 at 16M). With it the needle weighs 1.00 at 1M in both runs so far, and at 16M
-# in the one tested there (the README's table).
+# length (needle w 0.33 at 1M, 0.10 at 16M). With it the passkey's needle weighs 1.00 at 1M in all six runs so far,
+# and at 16M in the one tested there (the README's table).
 needle_loss = 0.1
