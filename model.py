@@ -611,20 +611,22 @@ class DRT(nn.Module):
             if targets is not None and ((targets < -1) | (targets >= cfg.vocab_size)).any():  # -100 would read as 0
                 raise ValueError(f"targets must be token ids in [0, {cfg.vocab_size}) or -1 (ignored)")
 
-    def forward(self, idx, targets=None, state=None, return_logits=True, picks=None, record=None, needles=None):
+    def forward(self, idx, targets=None, state=None, return_logits=True, picks=None, record=None, needles=None,
+                loss_span=0):
         """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-
         entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=False: logits
         None, the loss never holding (B, T, vocab). state: a StreamState to continue, else one training row.
         picks (n, K) or (B, n, K): chunks the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a
         teacher or an oracle. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w).
         needles (B, n): for a whole row, the chunk each landmark's Eq. 1 should rank first (-1: none); then forward
-        returns (logits, loss, needle_rank_loss summed over the groups)."""
+        returns (logits, loss, needle_rank_loss summed over the groups). loss_span=A (with return_logits=False):
+        each row's targets lie within A positions of its first (a task's answer), so only those are scored."""
         self.check_input(idx, targets)
         if (picks is not None or needles is not None) and state is not None:
             raise ValueError("picks are handed in for a whole row (state=None), not for a stream; so are needles")
         ranking = [] if needles is not None else None  # needle_rank_loss of each group
         x, offset = self.run(idx, state, picks, record, needles=needles, ranking=ranking)
-        out = self.logits_and_loss(x, offset, idx.size(1), targets, return_logits)
+        out = self.logits_and_loss(x, offset, idx.size(1), targets, return_logits, loss_span)
         return out if ranking is None else (*out, sum(ranking))
 
     @torch.no_grad()
@@ -720,12 +722,16 @@ class DRT(nn.Module):
             idx = (idx + 1).minimum(chunk_ids[None, :, None])
         return idx, w
 
-    def logits_and_loss(self, x, offset, T, targets, return_logits):
+    def logits_and_loss(self, x, offset, T, targets, return_logits, loss_span=0):
         """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions."""
         S = self.config.chunk_size
         x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C): landmarks predict nothing
         if targets is None:
             return self.lm_head(x[:, -1:]), None
+        if loss_span and not return_logits:  # a few answer tokens a row: skip the vocab-wide logits of all others
+            at = (targets != -1).int().argmax(1, keepdim=True) + torch.arange(loss_span, device=x.device)  # (B, A)
+            x = x.gather(1, at.clamp(max=T - 1)[..., None].expand(-1, -1, x.size(-1)))  # (B, A, C)
+            targets = targets.gather(1, at.clamp(max=T - 1)).masked_fill(at >= T, -1)  # a row's end is scored once
         if not return_logits:
             return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
         logits = self.lm_head(x)

@@ -774,6 +774,28 @@ def test_loss_without_logits(ce_rows, monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+def test_loss_span_scores_the_answer_alone():
+    """loss_span=A (task rows: a short answer a row) gives the full loss and every gradient from A positions a row:
+    an answer mid-row, one cut by the row's end (its last position scored once), a row without targets; and
+    torch.compile takes it as one graph."""
+    model = tiny_model(dtype=torch.float64, gumbel=False).train()
+    idx = tokens(model.config, 3, 5 * 7, seed=18)
+    targets = torch.full_like(idx, -1)
+    targets[0, 20:24], targets[1, 33:] = idx[0, 21:25], idx[1, :2]  # 4 answer tokens; 2 at the row's end; none
+    _, full = model(idx, targets, return_logits=False)
+    full.backward()
+    g_full = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _, loss = model(idx, targets, return_logits=False, loss_span=4)
+    loss.backward()
+    torch.testing.assert_close(loss, full)
+    for a, p in zip(g_full, model.parameters()):
+        torch.testing.assert_close(p.grad, a)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(idx, targets, return_logits=False, loss_span=4)[1], full)
+
+
 def test_loss_without_grad_makes_no_gradients(monkeypatch):
     """LinearCrossEntropy makes only the gradients a backward will use: under no_grad (evaluation)
     one matmul per chunk of rows, the same loss; dw alone (x needs no grad) two; both three."""

@@ -37,7 +37,9 @@ def test_tasks(task, monkeypatch):
         assert tasks.score(enc.encode_ordinary(" 1" + want), answer, enc) == 0
     x, y = tasks.get_batch(task, 3, 256, rng, enc)
     assert x.shape == y.shape == (3, 256)
-    for b in range(3):  # the loss on the answer and the full stop that ends it, then filler to the row's end
+    # the loss on the answer and the full stop that ends it, then filler to the row's end: MAX_ANSWER positions at
+    # most from the first, all train.py's loss_span scores
+    for b in range(3):
         on = (y[b] != -1).nonzero().squeeze(1)
         assert 2 <= len(on) <= tasks.MAX_ANSWER and torch.equal(on, torch.arange(on[0], on[0] + len(on)))
         assert torch.equal(y[b, on[:-1]], x[b, on[1:]])  # the next token where the loss is

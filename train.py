@@ -145,6 +145,7 @@ class Data:
         except (OSError, ValueError) as e:
             raise ConfigError(e) from None
         self.vocab, self.device, self.T = self.rows.vocab, device, c.chunk_size - 1
+        self.span = tasks.MAX_ANSWER if is_tasks(c.dataset) else 0  # task rows score their answer alone: its span
 
     def batch(self, split, rng, training=False, needles=False):  # (x, y), (B, T) each, on the device
         pin = self.device.type == "cuda"  # needles: + tasks.needle_labels (B, T // (chunk_size - 1))
@@ -211,7 +212,7 @@ def estimate_loss(model, raw_model, data, c, autocast):
         for k in range(c.eval_iters):
             x, y = data.batch(split, step_rng(c.seed, split, "eval", k))
             with autocast:
-                _, loss = model(x, y, return_logits=False)
+                _, loss = model(x, y, return_logits=False, loss_span=data.span)
             total += loss.float()
             progress(t0, f"eval {split}: micro-batch {k + 1}/{c.eval_iters} done")
         out[split] = total.item() / c.eval_iters
@@ -316,7 +317,8 @@ def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum,
         picks = teacher_picks(x, raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None  # (B, n, K) or None
         with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
             with autocast:
-                _, loss, *ranking = model(x, y, return_logits=False, picks=picks, needles=needles[0] if needles else None)
+                _, loss, *ranking = model(x, y, return_logits=False, picks=picks, needles=needles[0] if needles else None,
+                                          loss_span=data.span)
             ((loss + c.needle_loss * ranking[0] if ranking else loss) / grad_accum).backward()
         step_loss = step_loss + loss.detach().float() / grad_accum
     if c.grad_clip:
