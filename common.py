@@ -159,16 +159,17 @@ def peak_flops(device):
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
-def flops_per_token(model):
+def flops_per_token(model, logit_share=1.0):
     """A DRT's training FLOPs (forward + backward = 3x forward) per text token, counting matmuls: 2 per weight
-    per position, attention 4*keys*C per position and layer. Over peak_flops and time: MFU."""
+    per position, attention 4*keys*C per position and layer. Over peak_flops and time: MFU. logit_share: of the
+    positions, those whose logits are made (train.py's task rows score only their answer: loss_span / block_size)."""
     cfg, C, S = model.config, model.config.n_embd, model.config.chunk_size
     per_pos = 2 * (model.num_params() - model.wte.weight.numel())  # every matrix but the embedding runs per position
     per_pos += 4 * C * cfg.window * (cfg.n_lower + cfg.n_upper)  # sliding-window attention
     per_pos += 4 * C * S * cfg.n_enc  # chunk encoder attention
     per_pos += 4 * C * S * cfg.topk * cfg.n_upper  # GCA over K chunks of S
     lm_head = 2 * model.wte.weight.numel()  # once per text token
-    return 3 * (per_pos * S / (S - 1) + lm_head)
+    return 3 * (per_pos * S / (S - 1) + lm_head * logit_share)
 
 
 def available_mem():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from conftest import HERE, rel_err
+from conftest import HERE, rel_err, tiny_model
 from model import DRTConfig, gca_reference
 
 # -----------------------------------------------------------------------------
@@ -97,6 +97,15 @@ def test_bench_kernel_inputs():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS caps a process's memory on Linux")
+def test_flops_per_token_scores_the_output_layer_where_logits_are_made():
+    """MFU's FLOPs: the tied output layer's 2 x 3 per weight at the share of positions that make logits (task rows:
+    their answer), every other matmul at every position."""
+    model = tiny_model()
+    full, none, some = (common.flops_per_token(model, logit_share) for logit_share in (1.0, 0.0, 0.25))
+    assert full - none == 6 * model.wte.weight.numel() and some == pytest.approx(none + 0.25 * (full - none))
+    assert none > 6 * (model.num_params() - model.wte.weight.numel())  # plus attention
+
+
 def test_bench_cpu_smoke_run():
     """bench.py --train --long --device=cpu, as --help offers it: toy sizes (within 4 GiB of address space and
     two minutes; the paper's sizes took 24 GB and were killed), a row for every model --train times, a line

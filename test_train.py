@@ -421,12 +421,19 @@ def test_checkpoints_of_removed_options(tmp_path):
 
 def test_passkey_task(tmp_path, monkeypatch):
     tokenizer_or_skip(monkeypatch)
+    scored, flops = [], common.flops_per_token  # MFU counts the output layer at the answer's positions alone
+
+    def spy(model, logit_share=1.0):
+        scored.append(logit_share)
+        return flops(model, logit_share)
+    monkeypatch.setattr(common, "flops_per_token", spy)
     hist = train.main(["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
                        "--chunk_size=8", "--window=16", "--topk=3", "--block_size=70", "--batch_size=2", "--tokens_per_step=0",
                        "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--log_interval=1", "--device=cpu",
                        f"--out_dir={tmp_path / 'out'}"])
     assert [it for it, _ in hist] == [1, 2] and all(np.isfinite(loss) for _, loss in hist)
     assert load_ckpt(tmp_path / "out")["model_args"]["vocab_size"] == 50304  # GPT-2's vocabulary
+    assert scored == [6 / 70]  # tasks.MAX_ANSWER of a 70-token row
     with pytest.raises(train.ConfigError, match=r"needles from token 490: raise --block_size or lower --task_min_depth"):
         train.main(["--dataset=passkey", "--block_size=504", "--task_min_depth=490", "--device=cpu",
                     f"--out_dir={tmp_path / 'x'}"])

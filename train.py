@@ -342,7 +342,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     eval_model = torch.compile(raw_model) if c.compile and cuda else raw_model  # rank 0 evaluates alone: no DDP
     model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
 
-    flops_per_token, peak = common.flops_per_token(raw_model), peak_flops(device)  # matmul FLOPs of forward + backward
+    logit_share = min(1.0, data.span / c.block_size) if data.span else 1.0  # task rows make logits at the answer alone
+    flops_per_token, peak = common.flops_per_token(raw_model, logit_share), peak_flops(device)  # matmuls, forward + backward
     what = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     how = f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"
     if c.teacher_iters:
