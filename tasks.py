@@ -57,14 +57,15 @@ UNSEEN_NAMES = ["lantern", "puzzle", "rocket", "saddle", "thunder", "velvet", "q
                 "feather", "glacier", "kettle", "mirror", "button", "castle", "ribbon", "helmet", "parrot", "walnut"]
 
 
-@functools.lru_cache(maxsize=2)
-def word_pool(enc):
-    """Names by the thousand for multi-key training: every GPT-2 token that
-    is a space and 4-8 lower-case letters, past the 3,000 commonest ("that", "with"), minus NAMES and
-    UNSEEN_NAMES, so that every test name is unseen: ~12K words, too many to learn one by one."""
-    held = set(NAMES) | set(UNSEEN_NAMES)
+@functools.lru_cache(maxsize=4)
+def word_pool(enc, letters=(4, 8)):
+    """Names by the thousand for multi-key: every GPT-2 token that is a space and lower-case letters, past the
+    3,000 commonest ("that", "with"), minus NAMES and UNSEEN_NAMES, so that every test name is unseen. 4-8 letters
+    (~12K words, too many to learn one by one): training's names; 9-12 letters (~4.9K): validation's, never
+    trained, so that the validation loss sees names as the tests do."""
+    held, (lo, hi) = set(NAMES) | set(UNSEEN_NAMES), letters
     words = (enc.decode([t]) for t in range(3000, enc.n_vocab))
-    return tuple(w[1:] for w in words if re.fullmatch(r" [a-z]{4,8}", w) and w[1:] not in held)
+    return tuple(w[1:] for w in words if re.fullmatch(rf" [a-z]{{{lo},{hi}}}", w) and w[1:] not in held)
 
 
 class Haystack:
@@ -268,7 +269,8 @@ class TaskRows:
 
     def __init__(self, c):
         self.c, self.tasks, self.vocab, self.enc = c, c.dataset.split(","), GPT2_VOCAB, get_tokenizer()
-        self.align, self.names = c.chunk_size - 1, word_pool(self.enc)  # aligned (Appendix D), unseen names
+        self.align = c.chunk_size - 1  # questions aligned (Appendix D)
+        self.names = {"train": word_pool(self.enc), "val": word_pool(self.enc, (9, 12))}  # val's: never trained
         self.keys, self.templates = parse_range(c.task_keys, 2, 16), tuple(c.task_templates.split(","))
         try:
             self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
@@ -277,16 +279,16 @@ class TaskRows:
         try:
             for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
-                             min_depth=c.task_min_depth, align=self.align, names=self.names, keys=self.keys[1],
+                             min_depth=c.task_min_depth, align=self.align, names=self.names["train"], keys=self.keys[1],
                              template=template)
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
     def batch(self, split, rng, training):
-        """x, y (B, T) on the CPU: get_batch with the run's keys, the same for both splits and in training."""
+        """x, y (B, T) on the CPU: get_batch with the run's keys; multi-key's names from the split's pool."""
         c = self.c
         return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
-                         c.task_min_depth, self.align, self.names, self.keys, self.templates)
+                         c.task_min_depth, self.align, self.names[split], self.keys, self.templates)
 
 
 class TextRows:

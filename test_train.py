@@ -507,6 +507,25 @@ def test_word_pool(monkeypatch):
     assert len({re.search(r"pass key of (\w+)\?", row).group(1) for row in rows}) == 8  # asked: 8 draws from 12K
 
 
+def test_task_validation_names_were_never_trained(monkeypatch):
+    """Stage 2's validation rows name words its training rows never do (9-12 letters against 4-8), and no test's,
+    so that the validation loss sees names as the tests do (a model that learned the training names one by one
+    scores well on them alone: NOTES.md); training rows draw from the training pool."""
+    import random
+    import types
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    files = [os.path.join(HERE, "config", f) for f in ("passkey_pretrain.py", "passkey_finetune.py")]
+    c, _ = parse(files + ["--task_haystack=", "--batch_size=32", "--dataset=multikey"])
+    rows, tests = tasks.TaskRows(types.SimpleNamespace(**c)), set(tasks.NAMES) | set(tasks.UNSEEN_NAMES)
+    train_pool, val_pool = set(tasks.word_pool(enc)), set(tasks.word_pool(enc, (9, 12)))
+    assert len(val_pool) > 4000 and not val_pool & train_pool and not val_pool & tests
+    for split, pool in (("train", train_pool), ("val", val_pool)):
+        x, _ = rows.batch(split, random.Random(2), split == "train")
+        asked = [re.search(r"What is the [\w ]+? (?:for|of) (\w+)\?", enc.decode(row.tolist())) for row in x]
+        assert all(asked) and {m.group(1) for m in asked} <= pool, split
+
+
 def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     """The passkey recipe's plumbing at toy size: config/passkey_pretrain.py on text and copy rows, then
     config/passkey_finetune.py from it (a task mix, a real-text haystack, aligned questions, pool names),

@@ -13,7 +13,8 @@
 # landmark whose retrieval serves the answer has read it (Appendix D). Needles stay out of the
 # first 256 tokens, whose chunks are told apart by having no past. Multi-key's names are drawn from
 # thousands of words, none a test asks about, so the model must match them (trained on twenty names,
-# the models answered for those twenty alone).
+# the models answered for those twenty alone); validation rows name words no training row does (9-12
+# letters against 4-8), so the validation loss shows whether names are matched or learned one by one.
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
 dataset = "passkey,multikey"  # one model for both (2-hop vartrack is beyond this small model)
