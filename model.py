@@ -730,8 +730,9 @@ class DRT(nn.Module):
             return self.lm_head(x[:, -1:]), None
         if loss_span and not return_logits:  # a few answer tokens a row: skip the vocab-wide logits of all others
             at = (targets != -1).int().argmax(1, keepdim=True) + torch.arange(loss_span, device=x.device)  # (B, A)
-            x = x.gather(1, at.clamp(max=T - 1)[..., None].expand(-1, -1, x.size(-1)))  # (B, A, C)
-            targets = targets.gather(1, at.clamp(max=T - 1)).masked_fill(at >= T, -1)  # a row's end is scored once
+            i = at.clamp(max=T - 1)  # past a row's end: its last position, scored once (the mask below)
+            x = x.gather(1, i[..., None].expand(-1, -1, x.size(-1)))  # (B, A, C)
+            targets = targets.gather(1, i).masked_fill(at >= T, -1)
         if not return_logits:
             return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
         logits = self.lm_head(x)
