@@ -96,7 +96,6 @@ def test_bench_kernel_inputs():
     assert rel_err(bench.gca_naive(q, k, v, idx, w), gca_reference(q, k, v, idx, w)) < 1e-5
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS caps a process's memory on Linux")
 def test_flops_per_token_scores_the_output_layer_where_logits_are_made():
     """MFU's FLOPs: the tied output layer's 2 x 3 per weight at the share of positions that make logits (task rows:
     their answer), every other matmul at every position."""
@@ -106,6 +105,7 @@ def test_flops_per_token_scores_the_output_layer_where_logits_are_made():
     assert none > 6 * (model.num_params() - model.wte.weight.numel())  # plus attention
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS caps a process's memory on Linux")
 def test_bench_cpu_smoke_run():
     """bench.py --train --long --device=cpu, as --help offers it: toy sizes (within 4 GiB of address space and
     two minutes; the paper's sizes took 24 GB and were killed), a row for every model --train times, a line
