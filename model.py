@@ -618,8 +618,8 @@ class DRT(nn.Module):
         None, the loss never holding (B, T, vocab). state: a StreamState to continue, else one training row.
         picks (n, K) or (B, n, K): chunks the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a
         teacher or an oracle. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w).
-        needles (B, n): for a whole row, the chunk each landmark's Eq. 1 should rank first (-1: none); then forward
-        returns (logits, loss, needle_rank_loss summed over the groups). loss_span=A (with return_logits=False):
+        needles (B, G, n): for a whole row, the chunk each group's Eq. 1 at each landmark should rank first (-1: none);
+        then forward returns (logits, loss, needle_rank_loss summed over the groups). loss_span=A (with return_logits=False):
         each row's targets lie within A positions of its first (a task's answer), so only those are scored."""
         self.check_input(idx, targets)
         if (picks is not None or needles is not None) and state is not None:
@@ -662,7 +662,7 @@ class DRT(nn.Module):
                 h = pooled if cfg.pool_tokens else x[:, S - 1 - offset : n * S - offset : S]  # (B, n, C)
                 made = self.retrieve(g, h, chunk_ids, memory, picks, record)  # (idx, w) (B, n, K)
                 if needles is not None:  # a training row: chunk_ids are 0 .. n-1, memory.l the row's landmarks
-                    ranking.append(needle_rank_loss(self.ret_norm[g](h), memory.l, needles))
+                    ranking.append(needle_rank_loss(self.ret_norm[g](h), memory.l, needles[:, g]))
             if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read
                 sel, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
                 decoding = n_chunks == 1 and carried is not None  # a stream's picks were gathered last call

@@ -32,7 +32,7 @@ import common
 from common import fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, skim_margin, window_reach
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, in_reach, key_owner, make_example
-from tasks import min_length, needle_picks, needles_and_question, score, wilson
+from tasks import CHAINS, hop_gap, hop_hits, min_length, needle_picks, needles_and_question, score, wilson
 
 # -----------------------------------------------------------------------------
 # Generation: a checkpoint, a prompt, model.generate
@@ -162,21 +162,23 @@ def prefill(model, ids, state, segment, progress=None, skim=None, record=None):
             progress(min(s + segment, x.size(1)))
 
 
-def answer_prompt(model, prompt, n, state, segment, progress=None):
+def answer_prompt(model, prompt, n, state, segment, progress=None, marks=()):
     """Prefill the prompt (skimmed up to its last skim_margin tokens: outputs are read only after it), decode n
-    tokens greedily -> (the tokens, [(chunk ids (K,), weights (K,))] per upper group: the picks that served the
-    prompt's last token, read before it goes in, as it may close a chunk)."""
-    cfg = model.config
-    prefill(model, prompt[:-1], state, segment, progress, skim_margin(cfg))
-    picks = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)]
+    tokens greedily -> (the tokens, {token: [(chunk ids (K,), weights (K,))] per upper group}: the picks made at the
+    landmark after that token, for each of marks and for the one before the last token, which serve the prompt's
+    last token, read before it goes in, as it may close a chunk)."""
+    cfg, picks, start = model.config, {}, 0
+    for end in sorted({*marks, len(prompt) - 2}):
+        prefill(model, prompt[start : end + 1], state, segment, progress, skim_margin(cfg))
+        picks[end], start = [(idx[0, -1], w[0, -1]) for idx, w in (p for p in state.picks if p is not None)], end + 1
     out = generate(model, as_batch(model, prompt[-1:]), n, temperature=0, state=state, prefill_segment=segment)
     return out[0].tolist(), picks
 
 
-def prompt_kwargs(args, cfg=None, depth=None):
+def prompt_kwargs(args, cfg, depth=None):
     """make_example's arguments for the test flags and one --depth bin."""
     kw = dict(names=UNSEEN_NAMES if args.unseen_names else NAMES, keys=args.keys, template=args.template,
-              digits=args.digits)
+              digits=args.digits, chains=args.chains, lead=not args.no_lead, gap=hop_gap(cfg))
     if depth == "reach":  # the fewest tokens that, landmarks counted, span the reach in positions
         reach = window_reach(cfg)
         kw["past"] = reach - reach // cfg.chunk_size
@@ -226,7 +228,11 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     T, kw = cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
     sight = (cfg.n_lower + cfg.n_upper) * (cfg.window - 1) + 1  # each window sees W-1 positions back: nearer is seen
     align = None if args.no_align else T
+    hops = task == "vartrack"  # the per-group columns: hop h's hit@1 in group h (or the last)
     variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
+                f"{args.chains} chains ({args.chains + 1} needles for one retrieval, top-{cfg.topk}), hops "
+                f"{kw['gap']:,} tokens apart, the question asked {'in one piece' if args.no_lead else 'a chunk ahead'}"
+                f"; hop h's hit@1 in group {'h' if len(cfg.groups) > 1 else '1'}": hops,
                 f"{args.digits}-digit numbers": args.digits != 5,
                 f"the asked needle at depth {depth}": depth not in (None, "reach"),
                 "the asked key just past the windows' reach": depth == "reach",
@@ -237,25 +243,30 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
           f"{'question anywhere in its chunk' if align is None else 'question aligned to a chunk'}"
           + "".join(f", {text}" for text, on in variants.items() if on))
     header = (f"{'length':>8} {'samples':>7} {'accuracy [95% CI]':>17} {'in reach':>8} {'hit@1':>7} {'retrieved':>9} "
-              f"{'needle w':>8} {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
+              f"{'needle w':>8}" + (f" {'hop1':>5} {'hop2':>5}" if hops else "") +
+              f" {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
     for L in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        t0, correct, near, picked = time.time(), 0, 0, []
+        t0, correct, near, picked, hopped = time.time(), 0, 0, [], []
         for i in range(args.samples):
             seed = prompt_seed(args.seed, task, L, i)
-            prompt, answer = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
+            prompt, answer, spans = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
             state = model.new_state(offload=args.offload)
             progress = Progress(f"{fmt_len(L)} sample {i + 1}/{args.samples}", len(prompt) - 1)
             with ctx:
-                out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress)
+                out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress,
+                                           [asked for *_, asked in spans])
+            hopped += [hop_hits(spans, picks, T)] if hops else []
+            picks = picks[len(prompt) - 2]
             hit = score(out, answer, enc)
             correct, near = correct + hit, near + in_reach(prompt, answer, T, sight)
             if args.show_misses and not hit:
                 got, want = enc.decode(out).strip(), enc.decode(answer).strip()
                 rng = random.Random(seed)  # make_example drew the needles first: draw them again
-                needles = needles_and_question(task, rng, kw["names"], args.keys, args.template, args.digits)[0]
+                needles = needles_and_question(task, rng, kw["names"], args.keys, args.template, args.digits,
+                                               args.chains)[0]
                 owner = key_owner(needles, re.match(r"\d*", got).group(), want)
                 print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
                       + (f" (another needle's key: {owner}'s)" if owner else ""), flush=True)
@@ -270,8 +281,15 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             found, top, weight = map(sum, zip(*picked))
             hit1, retrieved, needle_w = f"{top}/{n}", f"{found}/{n}", f"{weight / n:.2f}"
         gpu = f"{peak_mem_gib(device):>8.2f}G" if device.type == "cuda" else f"{'-':>9}"
-        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {hit1:>7} {retrieved:>9} {needle_w:>8} "
+        per_hop = "".join(f" {count_hits(h):>5}" for h in zip(*hopped)) if hops else ""
+        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {hit1:>7} {retrieved:>9} {needle_w:>8}{per_hop} "
               f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
+
+
+def count_hits(hits):
+    """hop_hits' entries of one hop over the prompts -> 'k/n' over those where its needle could be picked, or '-'."""
+    known = [h for h in hits if h is not None]
+    return f"{sum(known)}/{len(known)}" if known else "-"
 
 
 # -----------------------------------------------------------------------------
@@ -324,6 +342,9 @@ def check_args(args):
         (not 3 <= args.digits <= 7, f"--digits={args.digits}: keys of 3 to 7 digits (5 as trained)"),
         (args.template not in TEMPLATES or (args.template != "key" and not (args.passkey or args.multikey)),
          f"--template={args.template}: passkey's and multi-key's phrasing, one of {', '.join(TEMPLATES)}"),
+        (not 2 <= args.chains <= 16 or (args.chains != CHAINS and not args.vartrack),
+         f"--chains={args.chains}: 2-hop's chain count, 2 to 16 ({CHAINS} by default): use it with --vartrack"),
+        (args.no_lead and not args.vartrack, "--no_lead: the question's lead is 2-hop's: add --vartrack"),
         (args.depth and args.vartrack,
          "--depth: 2-hop's needles keep their order (a variable is set before it is copied): drop --vartrack"),
         (depth_bins(args.depth) is None,
@@ -374,7 +395,11 @@ def arg_parser():
     test = p.add_argument_group("long-context tests (accuracy per length, one table per test)")
     test.add_argument("--passkey", action="store_true", help="passkey retrieval: one 5-digit key hidden in filler")
     test.add_argument("--multikey", action="store_true", help="multi-key passkey: four named keys, asked for one")
-    test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X")
+    test.add_argument("--vartrack", action="store_true", help="2-hop variable tracking: VAR X = value ... VAR Y = X "
+                      "... asked for Y's value")
+    test.add_argument("--chains", type=int, default=CHAINS, help="2-hop: variable chains in each prompt (2-16)")
+    test.add_argument("--no_lead", action="store_true", help="2-hop: ask the question in one piece at the end, as "
+                      "for one hop (default: a chunk ahead of the answer, so that group 2 reads group 1's find)")
     test.add_argument("--lengths", default=LENGTHS, help="context lengths in tokens (up to 64M)")
     test.add_argument("--samples_per_length", type=int, default=10, dest="samples", metavar="N",
                       help="test prompts per length and test")

@@ -5,8 +5,8 @@ Synthetic long-context tasks, shared by training (train.py --dataset=passkey) an
   passkey   "The pass key is 71432. Remember it. 71432 is the pass key." hidden at a random
             depth in filler; asked at the end: "What is the pass key? The pass key is"
   multikey  four (or 2-16) "The pass key of <name> is <number>." needles; asked for one of them
-  vartrack  2-hop variable tracking (RULER): "VAR X = 12345." ... "VAR Y = X." ... asked for Y,
-            with a second chain "VAR A = 67890." ... "VAR B = A." interleaved as a distractor
+  vartrack  2-hop variable tracking (RULER): "VAR X = 12345." ... "VAR Y = X." ... asked for Y's value,
+            among other such chains (6 in a test: the needles a single retrieval would need outnumber top-k)
 
 Held-out variants for tests (sample.py --keys, --template, --digits, --depth): 2-16 multi-key
 needles, other phrasings (TEMPLATES), keys of 3-7 digits, the asked needle at a chosen depth.
@@ -19,6 +19,13 @@ the chunk before it; aligned, that landmark sits right after "... The pass key" 
 the question, so retrieval knows what is asked (the paper pads its prompts the same way, so a
 landmark falls before "is"). Unaligned, the landmark before the answer saw only part of the
 question, or none of it.
+
+Two hops need one chunk more (lead=True, the default for vartrack). Group g's query at a landmark has
+read what group g-1 fetched for that landmark's chunk, which chunk's previous landmark picked. So for
+group 2 to fetch "VAR X = 12345." at the landmark serving the answer, group 1 must have fetched
+"VAR Y = X." one landmark earlier, and that landmark must have read the question: the question
+"What is the value of VAR Y?" closes a chunk, filler pads the next one up to "The value of VAR Y",
+and " is" opens the answer's chunk. lead=False asks in one piece at the end, as for one hop.
 
 Training rows (train.py): TaskRows draws train.py's batches of these tasks from its task_* keys,
 TextRows those of a prepared text dataset, with copy_row's rows mixed in (--copy_frac).
@@ -40,10 +47,11 @@ import numpy as np
 import torch
 
 from common import GPT2_VOCAB, check_bin, get_tokenizer, max_token_id, read_meta
-from model import window_reach
+from model import cdiv, window_reach
 
 TASKS = ("passkey", "multikey", "vartrack")
-TRAINED = ("passkey", "multikey")  # train.py's task datasets: 2-hop is a test alone (chance at this size; NOTES.md)
+TRAINED = TASKS  # train.py's task datasets
+CHAINS = 6  # 2-hop chains in a test prompt: a single retrieval would need "VAR Y = X." and all six numbers, > top-k
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 SCORE_AFTER = 2  # tokens a test decodes past the answer's, to see that the number ends
 ANSWER_END = "."  # what follows a key in its needle; training rows end their answer with it, so a model learns
@@ -126,37 +134,43 @@ TEMPLATES = {
 }
 
 
-def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=5):
-    """-> (needle texts in order of appearance, question text, answer text, the index of the needle
-    that holds the answer: None for vartrack, whose answer is two needles away). names: multi-key's;
-    keys: its needle count; template: a TEMPLATES name or entry (passkey, multi-key); digits: of every number."""
+def needles_and_question(task, rng, names=NAMES, keys=4, template="key", digits=5, chains=CHAINS):
+    """-> (needle texts in order of appearance, question text, answer text, hops: the indices of the needles
+    retrieval must bring back, in the order it needs them; the last holds the answer). names: multi-key's; keys:
+    its needle count; template: a TEMPLATES name or entry (passkey, multi-key); digits: of every number;
+    chains: vartrack's, each "VAR X = <number>." then "VAR Y = X.", one asked."""
     number = lambda: str(rng.randrange(10 ** (digits - 1), 10**digits))  # noqa: E731
     needle, question, named, named_question = TEMPLATES[template] if isinstance(template, str) else template
     if task == "passkey":
         key = number()
-        return [needle.format(k=key)], question, f" {key}", 0
+        return [needle.format(k=key)], question, f" {key}", (0,)
     if task == "multikey":
         names = rng.sample(names, keys)
-        numbers = []
-        while len(numbers) < len(names):  # distinct, so a key names one needle (a redraw only on a collision)
-            if (k := number()) not in numbers:
-                numbers.append(k)
+        numbers = distinct(number, len(names))  # a key names one needle
         ask = rng.randrange(len(names))
         return ([named.format(n=n, k=k) for n, k in zip(names, numbers)], named_question.format(n=names[ask]),
-                f" {numbers[ask]}", ask)
-    if task == "vartrack":  # two chains, one asked: the other's number keeps "copy the number" at 50%
-        names = []
-        while len(names) < 4:  # distinct
-            name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4))
-            if name not in names:
-                names.append(name)
-        x, y, a, b = names
-        value, other = rng.sample(range(10 ** (digits - 1), 10**digits), 2)
-        chains = [[f" VAR {x} = {value}.", f" VAR {y} = {x}."], [f" VAR {a} = {other}.", f" VAR {b} = {a}."]]
-        order = rng.sample([0, 0, 1, 1], 4)  # interleave the chains, each in its own order
-        needles = [chains[c].pop(0) for c in order]
-        return needles, f" What is the value of VAR {y}? The value of VAR {y} is", f" {value}", None
+                f" {numbers[ask]}", (ask,))
+    if task == "vartrack":  # chain 0 is asked; the others' numbers are wrong answers of the same form
+        letters = lambda: "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4))  # noqa: E731
+        names, values = distinct(letters, 2 * chains), distinct(number, chains)
+        order = rng.sample([c for c in range(chains) for _ in (0, 1)], 2 * chains)  # interleaved, each in order
+        needles, seen = [], set()
+        for c in order:  # a chain's first needle sets its number, its second copies it
+            x, y = names[2 * c], names[2 * c + 1]
+            needles.append(f" VAR {y} = {x}." if c in seen else f" VAR {x} = {values[c]}.")
+            seen.add(c)
+        hop1, hop2 = (needles.index(f" VAR {names[1]} = {names[0]}."), needles.index(f" VAR {names[0]} = {values[0]}."))
+        return needles, f" What is the value of VAR {names[1]}? The value of VAR {names[1]} is", f" {values[0]}", (hop1, hop2)
     raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
+
+
+def distinct(draw, n):
+    """n distinct values of draw() (a redraw only on a collision)."""
+    out = []
+    while len(out) < n:
+        if (v := draw()) not in out:
+            out.append(v)
+    return out
 
 
 def key_owner(needles, got, answer):
@@ -172,20 +186,30 @@ def occurrences(ids, answer):
 
 
 def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None, names=NAMES, keys=4,
-                 template="key", digits=5, depth=None, past=None):
+                 template="key", digits=5, depth=None, past=None, chains=CHAINS, lead=True, gap=0):
     """A prompt of `length` tokens (filler with the needles at random depths, none before token
-    min_depth, the question at the end) and the answer's token ids (a list). With align=T the
+    min_depth, the question at the end) -> (prompt, the answer's token ids (a list), hops: for each needle
+    retrieval must bring back, in hop order, its (start, end) token span and the token whose chunk's landmark
+    should fetch it). With align=T the
     prompt is cut to the longest length <= `length` whose last token opens a chunk of T text
     tokens (length - 1 a multiple of T): at most T-1 tokens shorter. rng: random.Random.
-    names, keys, template, digits: as needles_and_question. depth (a fraction of the filler, 0 to 1)
+    names, keys, template, digits, chains: as needles_and_question. depth (a fraction of the filler, 0 to 1)
     puts the asked needle there (RULER's depth bins), the others at random; past=n puts it so that
-    its key's last mention ends n tokens before the prompt's last token, the others before it."""
-    needles, question, answer, ask = needles_and_question(task, rng, names, keys, template, digits)
+    its key's last mention ends n tokens before the prompt's last token, the others before it.
+    Two hops: lead (with align) asks the question a chunk ahead (the module's docstring); gap: the fewest
+    tokens between the hops' needles, so that no chunk's memory holds both (its lower windows' reach)."""
+    needles, question, answer, hops = needles_and_question(task, rng, names, keys, template, digits, chains)
     needles = [np.array(enc.encode_ordinary(t), dtype=np.int64) for t in needles]
     question, answer = np.array(enc.encode_ordinary(question), dtype=np.int64), enc.encode_ordinary(answer)
+    ask = hops[-1]  # the needle holding the answer
     if align:
         length -= (length - 1) % align
-    n_fill = length - len(question) - sum(map(len, needles))
+    n_pad, split, lead = 0, len(question), lead and align and len(hops) > 1
+    if lead:  # "...?" closes a chunk, filler up to "The value of VAR Y", " is" opens one
+        split = int(np.flatnonzero(question == enc.encode_ordinary("?")[0])[0]) + 1
+        after = len(question) - split - 1  # the tokens between "?" and " is"
+        n_pad = cdiv(after, align) * align - after if after else align
+    n_fill = length - len(question) - n_pad - sum(map(len, needles))
     if n_fill < 0 or length < 1:
         raise ValueError(f"length {length} is too short for a {task} prompt (needs {length - n_fill} tokens)")
     if min_depth > n_fill:
@@ -197,15 +221,30 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
         if not min_depth <= at <= n_fill:
             raise ValueError(f"length {length} is too short for a {task} prompt with its key {past} tokens "
                              f"before the end")
-    cuts = sorted(rng.randrange(min_depth, (n_fill if past is None else at) + 1) for _ in needles)  # in order
-    if at is not None:
-        cuts[ask] = at
-    fill = filler(n_fill, rng, enc, haystack)
+    for _ in range(100):  # one draw, unless two hops fall nearer than gap
+        cuts = sorted(rng.randrange(min_depth, (n_fill if past is None else at) + 1) for _ in needles)  # in order
+        if at is not None:
+            cuts[ask] = at
+        order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask))  # the asked one last at a tie
+        starts, n = {}, 0
+        for i in order:
+            starts[i] = cuts[i] + n
+            n += len(needles[i])
+        if all(abs(starts[a] - starts[b]) >= gap for a, b in zip(hops, hops[1:])):
+            break
+    else:
+        raise ValueError(f"length {length} is too short for a {task} prompt whose hops lie {gap} tokens apart")
+    fill = filler(n_fill + n_pad, rng, enc, haystack)
     parts, last = [], 0
-    for i in sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask)):  # the asked one last at a tie
+    for i in order:
         parts += [fill[last : cuts[i]], needles[i]]
         last = cuts[i]
-    return np.concatenate(parts + [fill[last:], question]), answer
+    tail = [question[:split], fill[n_fill:], question[split:]]  # the pad, if any, inside the question
+    prompt = np.concatenate(parts + [fill[last:n_fill]] + tail)
+    asked = [len(prompt) - 2] * len(hops)  # the token whose chunk's landmark fetches each hop: the one before " is"
+    if lead:
+        asked[0] = len(prompt) - len(question) - n_pad + split - 1  # "?", a chunk or more ahead
+    return prompt, answer, [(starts[i], starts[i] + len(needles[i]), a) for i, a in zip(hops, asked)]
 
 
 def min_length(task, seed, enc, align=None, **kw):
@@ -228,31 +267,37 @@ def min_length(task, seed, enc, align=None, **kw):
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, min_depth=0, align=None,
-              names=NAMES, keys=(4, 4), templates=("key",)):
-    """A training batch: x, y (B, seq_len) int64. Each row: a prompt of one of `tasks` (a name or
+              names=NAMES, keys=(4, 4), templates=("key",), chains=(CHAINS, CHAINS), gap=0):
+    """A training batch: x, y (B, seq_len) int64 and hop1 (B, 2). Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
     The answer is followed by ANSWER_END, as the key is in its needle. y is the next token at the
     answer's and ANSWER_END's positions alone (-1 elsewhere): the model has learned text and copying
     in stage 1. names: multi-key's; keys (lo, hi): its needle count, drawn per row; templates: one
-    drawn per row. A choice of one draws nothing from rng."""
+    drawn per row; chains (lo, hi): vartrack's, drawn per row; gap: make_example's. hop1: in a 2-hop row, the
+    middle token of the first hop's needle and the last token of the chunk whose landmark must fetch it (-1:
+    one hop). A choice of one draws nothing from rng."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
     y = torch.empty(batch_size, seq_len, dtype=torch.long)
+    hop1 = torch.full((batch_size, 2), -1, dtype=torch.long)
     for b in range(batch_size):
         task = rng.choice(tasks)
         hs = haystack if haystack is not None and rng.random() < haystack_frac else None
         n = rng.randint(*keys) if keys[0] < keys[1] else keys[0]
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
-        prompt, answer = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names, n,
-                                      template)
+        m = rng.randint(*chains) if task == "vartrack" and chains[0] < chains[1] else chains[0]
+        prompt, answer, hops = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names,
+                                            n, template, chains=m, gap=gap)
+        if len(hops) > 1:
+            hop1[b] = torch.tensor([(hops[0][0] + hops[0][1]) // 2, hops[0][2]])
         answer = answer + enc.encode_ordinary(ANSWER_END)
         row = np.concatenate([prompt, answer, filler(seq_len + 1 - len(prompt) - len(answer), rng, enc, hs)])
         row = torch.from_numpy(row)
         x[b], y[b] = row[:-1], row[1:]
         y[b, : len(prompt) - 1] = -1  # the question's last token predicts the first answer token
         y[b, len(prompt) - 1 + len(answer) :] = -1
-    return x, y
+    return x, y, hop1
 
 
 def parse_range(text, lo, hi):
@@ -263,7 +308,7 @@ def parse_range(text, lo, hi):
 
 
 class TaskRows:
-    """train.py's batches of synthetic tasks (--dataset=passkey,multikey: one task drawn per row), as
+    """train.py's batches of synthetic tasks (--dataset=passkey,multikey,vartrack: one task drawn per row), as
     its task_* keys say (c: train.py's config). ValueError where the haystack is unusable or the
     longest needles and question do not fit a row after task_min_depth."""
 
@@ -272,6 +317,8 @@ class TaskRows:
         self.align = c.chunk_size - 1  # questions aligned (Appendix D)
         self.names = {"train": word_pool(self.enc), "val": word_pool(self.enc, (9, 12))}  # val's: never trained
         self.keys, self.templates = parse_range(c.task_keys, 2, 16), tuple(c.task_templates.split(","))
+        self.chains = parse_range(c.task_chains, 2, 16)
+        self.gap = 2 * c.chunk_size  # 2-hop: the hops' needles in chunks apart, not neighbours
         try:
             self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
         except (OSError, ValueError) as e:
@@ -280,15 +327,17 @@ class TaskRows:
             for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
                              min_depth=c.task_min_depth, align=self.align, names=self.names["train"], keys=self.keys[1],
-                             template=template)
+                             template=template, chains=self.chains[1], gap=self.gap)
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
     def batch(self, split, rng, training):
-        """x, y (B, T) on the CPU: get_batch with the run's keys; multi-key's names from the split's pool."""
+        """x, y (B, T) and hop1 (B, 2) on the CPU: get_batch with the run's keys; multi-key's names from the split's
+        pool."""
         c = self.c
         return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
-                         c.task_min_depth, self.align, self.names[split], self.keys, self.templates)
+                         c.task_min_depth, self.align, self.names[split], self.keys, self.templates, self.chains,
+                         self.gap)
 
 
 class TextRows:
@@ -314,7 +363,7 @@ class TextRows:
             self.splits[split] = (path, len(tokens))
 
     def batch(self, split, rng, training):
-        """x, y (B, T) on the CPU; copy_frac changes training rows alone."""
+        """x, y (B, T) on the CPU, and None for the hops of task rows; copy_frac changes training rows alone."""
         c, (path, n) = self.c, self.splits[split]
         data = np.memmap(path, dtype=np.uint16, mode="r")  # opened per batch: a memmap kept open leaks memory
         rows = [np.asarray(data[s : s + c.block_size + 1], dtype=np.int64)
@@ -322,7 +371,7 @@ class TextRows:
         if training and c.copy_frac:
             rows = [copy_row(len(r), rng, self.vocab, self.reach) if rng.random() < c.copy_frac else r for r in rows]
         xy = torch.from_numpy(np.stack(rows))  # (B, T+1)
-        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous(), None  # no hops
 
 
 def copy_row(n, rng, vocab, reach):
@@ -352,20 +401,48 @@ def needle_chunk(prompt, answer, T):
     return (at[0] + len(answer) // 2) // T if at else None  # a middle token: the chunk that holds most of it
 
 
-def needle_labels(x, y, T):
-    """For needle_rank_loss, from training rows x, y (B, L) of get_batch: (B, L // T) int64, at the landmark that
-    serves a row's answer (chunk p // T - 1, p the answer's first position) the chunk that holds the asked key,
-    where that chunk lies before the landmark (one in the window's chunk needs no retrieval); -1 elsewhere."""
-    labels = np.full((x.size(0), x.size(1) // T), -1, dtype=np.int64)
+def needle_labels(x, y, T, groups=1, hop1=None):
+    """For needle_rank_loss, from training rows x, y (B, L) and hop1 (B, 2) of get_batch: (B, groups, L // T) int64,
+    at the landmark that should fetch a needle the chunk that holds it (where it lies before the landmark: one in
+    the window's chunk needs no retrieval), -1 elsewhere. One hop: the asked key, at the landmark that serves the
+    answer (chunk p // T - 1, p the answer's first position), in every group. Two: hop h in group h (where there is
+    one), each at its own landmark: "VAR Y = X." a chunk ahead in group 1, the key in group 2."""
+    labels = np.full((x.size(0), groups, x.size(1) // T), -1, dtype=np.int64)
+    hop1 = np.full((x.size(0), 2), -1) if hop1 is None else hop1.numpy()
     for b, (xb, yb) in enumerate(zip(x.numpy(), y.numpy())):  # numpy: this runs every step, beside the GPU's
         at = np.flatnonzero(yb >= 0)
         if not len(at):
             continue
         p, answer = at[0], yb[at[:-1]].tolist()  # the key's tokens, without ANSWER_END
         need, t = needle_chunk(xb[:p], answer, T), p // T - 1
-        if need is not None and 0 <= need < t < labels.shape[1]:
-            labels[b, t] = need
+        hops = [(need, t)] if hop1[b, 0] < 0 else [(hop1[b, 0] // T, hop1[b, 1] // T), (need, t)]
+        for g in range(groups):
+            need, t = hops[0] if len(hops) == 1 else hops[g] if g < len(hops) else (None, 0)
+            if need is not None and 0 <= need < t < labels.shape[2]:
+                labels[b, g, t] = need
     return torch.from_numpy(labels)
+
+
+def hop_gap(cfg):
+    """The fewest tokens between the hops' needles of a test prompt: more than a chunk's memory sees back through the
+    lower windows (n_lower x W positions), plus two chunks, so that no memory holds two hops (cfg: a DRTConfig)."""
+    return cfg.n_lower * cfg.window + 2 * cfg.chunk_size
+
+
+def hop_hits(hops, picks, T):
+    """2-hop's per-group columns: for each of make_example's hops (start, end, asked), whether its needle's chunk (or
+    the next) got the largest weight among the picks of the group that should fetch it (hop h: group h, or the
+    last) at the landmark closing the chunk of token `asked`; None where the needle is not before that landmark.
+    picks: {asked: [(chunk ids (K,), weights (K,)) per group]}."""
+    hits = []
+    for h, (start, end, asked) in enumerate(hops):
+        need, groups = (start + end) // 2 // T, picks[asked]
+        if need >= asked // T or not groups:  # in the landmark's own chunk, or a model without retrieval
+            hits.append(None)
+            continue
+        idx, w = groups[min(h, len(groups) - 1)]
+        hits.append(bool(w.max() > 0 and int(idx[w.argmax()]) in (need, need + 1)))
+    return hits
 
 
 def in_reach(prompt, answer, T, reach):

@@ -465,6 +465,34 @@ def test_picks_read_one_chunk_later():
     assert read_one_chunk_later(carried, None, 1) is carried
 
 
+def test_group_2_queries_after_group_1_reads():
+    """Why a second hop needs the question a chunk ahead: group 2's query (Eq. 1) at the landmark of chunk t is the
+    state group 1 leaves there, which has read what group 1 picked at landmark t-1, not what it picks at landmark t
+    (read by chunk t+1). Chunks a and b lie far outside every window: changing a, picked at t-1, moves group 2's
+    query at t; changing b, picked at t, does not; group 1's query at t, from the lower layers, moves with neither."""
+    model = tiny_model(groups=(1, 1), topk=1).eval()  # S=8: 7 tokens a chunk; windows of 2 chunks, 3 layers
+    T, t, a, b, n = 7, 12, 1, 2, 14
+    picks = torch.zeros(n, 1, dtype=torch.long)  # every landmark picks chunk 0, but for these two
+    picks[t - 1], picks[t] = a, b
+    queries = {}
+    for g, norm in enumerate(model.ret_norm):
+        norm.register_forward_hook(lambda m, inp, out, g=g: queries.__setitem__(g, inp[0][0, t].clone()))
+
+    def at_t(idx):  # the groups' queries at landmark t: (group 1's, group 2's)
+        with torch.no_grad():
+            model(idx, torch.zeros_like(idx), picks=picks)
+        return queries[0], queries[1]
+
+    idx = tokens(model.config, 1, n * T, seed=0)
+    base = at_t(idx)
+    for chunk, moves in ((a, True), (b, False)):
+        changed = idx.clone()
+        changed[0, chunk * T : (chunk + 1) * T] = tokens(model.config, 1, T, seed=chunk + 1)[0]
+        g1, g2 = at_t(changed)
+        assert torch.equal(g1, base[0])  # the lower layers' state: beyond their windows
+        assert (not torch.equal(g2, base[1])) == moves, chunk
+
+
 # -----------------------------------------------------------------------------
 # GCA (Eq. 2): the reference against a loop over every (batch, chunk, pick, head, query)
 

@@ -28,14 +28,14 @@ def test_tasks(task, monkeypatch):
     enc = tokenizer_or_skip(monkeypatch)
     rng = random.Random(task)
     for length in (200, 333, 1000):
-        prompt, answer = tasks.make_example(task, length, rng, enc)
+        prompt, answer, _ = tasks.make_example(task, length, rng, enc)
         assert len(prompt) == length and prompt.dtype == np.int64
         text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
         assert want.isdigit() and text.count(want) >= 1  # the answer is in the haystack
         assert tasks.score(answer + enc.encode_ordinary(". The"), answer, enc) == 1
         assert tasks.score(answer + enc.encode_ordinary("123. The"), answer, enc) == 0  # the number goes on: wrong
         assert tasks.score(enc.encode_ordinary(" 1" + want), answer, enc) == 0
-    x, y = tasks.get_batch(task, 3, 256, rng, enc)
+    x, y, _ = tasks.get_batch(task, 3, 256, rng, enc)
     assert x.shape == y.shape == (3, 256)
     # the loss on the answer and the full stop that ends it, then filler to the row's end: MAX_ANSWER positions at
     # most from the first, all train.py's loss_span scores
@@ -49,7 +49,7 @@ def test_tasks(task, monkeypatch):
     with pytest.raises(ValueError, match="too short"):
         tasks.make_example(task, 20, rng, enc)
     for _ in range(5):  # min_depth: no needle before that token (training keeps the first chunks clear)
-        prompt, answer = tasks.make_example(task, 1000, rng, enc, min_depth=600)
+        prompt, answer, _ = tasks.make_example(task, 1000, rng, enc, min_depth=600)
         assert len(prompt) == 1000 and enc.decode(answer).strip() in enc.decode(prompt[600:].tolist())
         assert not any(enc.decode(prompt[:600].tolist()).count(w) for w in ("pass key", "VAR"))
     with pytest.raises(ValueError, match="needles from token 990"):
@@ -57,26 +57,58 @@ def test_tasks(task, monkeypatch):
 
 
 def test_vartrack_needs_two_hops(monkeypatch):
-    """vartrack holds two chains, each assigned before it is copied; the asked one's number is the
-    answer and the other's is not, so copying "the number" cannot pass."""
+    """vartrack: chains, each assigned before it is copied, all names and numbers distinct; the asked one's number
+    is the answer and no other chain resolves to it, so it is reachable only through the asked chain; hops name
+    the asked chain's two needles in the order retrieval needs them, gap tokens apart at least."""
     import random
 
     import tasks
     enc = tokenizer_or_skip(monkeypatch)
     rng, first = random.Random(0), 0
-    for _ in range(20):
-        prompt, answer = tasks.make_example("vartrack", 400, rng, enc)
+    for i in range(20):
+        chains = 2 + i % 7
+        prompt, answer, hops = tasks.make_example("vartrack", 1500, rng, enc, chains=chains, gap=300)
         text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
         sets = re.findall(r"VAR (\w+) = (\w+)\.", text)
         values = {name: v for name, v in sets if v.isdigit()}
         copies = {name: src for name, src in sets if not src.isdigit()}
         asked = re.search(r"value of VAR (\w+) is$", text).group(1)
-        assert len(values) == len(copies) == 2 and len(set(values.values())) == 2
+        assert len(sets) == 2 * chains and len({n for n, _ in sets}) == 2 * chains  # distinct names
+        assert len(values) == len(copies) == chains and len(set(values.values())) == chains
         assert values[copies[asked]] == want  # two hops: asked -> its source -> the number
+        assert [src for name, src in copies.items() if values[src] == want] == [copies[asked]]  # no other chain
         for name, src in copies.items():  # a variable is assigned before it is copied
             assert text.index(f"VAR {src} = ") < text.index(f"VAR {name} = ")
+        spans = [enc.decode(prompt[a:b].tolist()) for a, b, _ in hops]
+        assert spans == [f" VAR {asked} = {copies[asked]}.", f" VAR {copies[asked]} = {want}."]
+        assert abs(hops[0][0] - hops[1][0]) >= 300
         first += [n for n, _ in sets].index(copies[asked]) == 0
-    assert 0 < first < 20  # either chain comes first
+    assert 0 < first < 20  # the asked chain comes first or not
+
+
+def test_vartrack_asks_a_chunk_ahead(monkeypatch):
+    """Aligned 2-hop prompts ask "What is the value of VAR Y?" so that "?" closes a chunk, and "The value of VAR Y"
+    ends the next, " is" opening the answer's: the landmark that must fetch hop 1 has read the question, a landmark
+    before the one serving the answer. lead=False asks in one piece; hop 2 is fetched for the answer in both."""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    for T in (63, 7):
+        for i in range(5):
+            prompt, _, hops = tasks.make_example("vartrack", 2000 + i, random.Random(i), enc, align=T)
+            (_, _, ask1), (_, _, ask2) = hops
+            text = enc.decode(prompt.tolist())
+            y = re.search(r"value of VAR (\w+) is$", text).group(1)
+            assert (len(prompt) - 1) % T == 0 and ask2 == len(prompt) - 2  # the answer's chunk opens at " is"
+            assert enc.decode(prompt[: ask1 + 1].tolist()).endswith(f" What is the value of VAR {y}?")
+            assert (ask1 + 1) % T == 0 and ask1 // T < ask2 // T  # "?" closes a chunk, one or more ahead
+            rest = len(enc.encode_ordinary(f" The value of VAR {y}"))  # a chunk ahead, or more if it fills more
+            assert ask2 // T - ask1 // T == max(1, -(-rest // T))
+            assert enc.decode(prompt[ask1 + 1 :].tolist()).endswith(f"The value of VAR {y} is")  # filler before
+            plain, _, hops = tasks.make_example("vartrack", 2000 + i, random.Random(i), enc, align=T, lead=False)
+            assert enc.decode(plain.tolist()).endswith(f" What is the value of VAR {y}? The value of VAR {y} is")
+            assert hops[0][2] == hops[1][2] == len(plain) - 2
 
 
 def test_multikey_unseen_names(tmp_path, monkeypatch, capsys):
@@ -91,8 +123,8 @@ def test_multikey_unseen_names(tmp_path, monkeypatch, capsys):
     assert len(tasks.UNSEEN_NAMES) == len(set(tasks.UNSEEN_NAMES)) == len(tasks.NAMES)
     assert not set(tasks.UNSEEN_NAMES) & set(tasks.NAMES)
     for i in range(10):
-        seen, _ = tasks.make_example("multikey", 500, random.Random(i), enc)
-        unseen, answer = tasks.make_example("multikey", 500, random.Random(i), enc, names=tasks.UNSEEN_NAMES)
+        seen, _, _ = tasks.make_example("multikey", 500, random.Random(i), enc)
+        unseen, answer, _ = tasks.make_example("multikey", 500, random.Random(i), enc, names=tasks.UNSEEN_NAMES)
         text = enc.decode(unseen.tolist())
         keys = dict(re.findall(r"pass key of (\w+) is (\d+)\.", text))
         asked = re.search(r"pass key of (\w+) is$", text).group(1)
@@ -117,14 +149,14 @@ def test_question_alignment(monkeypatch):
     T = model.config.chunk_size - 1
     for task in tasks.TASKS:
         for length in (300, 301, 305, 1000):
-            prompt, _ = tasks.make_example(task, length, random.Random(length), enc, align=T)
+            prompt, _, _ = tasks.make_example(task, length, random.Random(length), enc, align=T)
             assert length - T < len(prompt) <= length and (len(prompt) - 1) % T == 0
             assert enc.decode(prompt[-1:].tolist()) == " is"
             state = model.new_state()
             with torch.no_grad():
                 model(torch.from_numpy(prompt[None, :-1]), state=state)
             assert state.n % model.config.chunk_size == 0  # the question's chunk is closed: its landmark is in
-    x, y = tasks.get_batch(list(tasks.TASKS), 6, 20 * T, random.Random(0), enc, align=T)
+    x, y, _ = tasks.get_batch(list(tasks.TASKS), 6, 20 * T, random.Random(0), enc, align=T, chains=(2, 2))
     first = (y != -1).int().argmax(1)  # the position of " is", which predicts the answer
     assert ((first % T) == 0).all()
 
@@ -161,9 +193,9 @@ def test_task_defaults_are_the_training_prompts(monkeypatch):
     enc = tokenizer_or_skip(monkeypatch)
     for task in ("passkey", "multikey"):
         for i, length in enumerate((300, 1000, 1001)):
-            prompt, answer = tasks.make_example(task, length, random.Random(i), enc, align=7)
+            prompt, answer, _ = tasks.make_example(task, length, random.Random(i), enc, align=7)
             assert (prompt.tolist(), answer) == old_prompt(task, length, random.Random(i), enc, 7)
-    x, _ = tasks.get_batch(["passkey", "multikey"], 4, 300, random.Random(3), enc, align=7)
+    x, _, _ = tasks.get_batch(["passkey", "multikey"], 4, 300, random.Random(3), enc, align=7)
     rng = random.Random(3)
     for row in x:
         prompt, answer = old_prompt(rng.choice(["passkey", "multikey"]), 300 + 1 - tasks.MAX_ANSWER, rng, enc, 7)
@@ -189,7 +221,7 @@ def test_task_variants(monkeypatch):
                 ("multikey", dict(past=300, keys=8)), ("passkey", dict(past=200, template="number")),
                 ("vartrack", dict(digits=6))]
     for i, (task, kw) in enumerate(variants):
-        prompt, answer = tasks.make_example(task, 700 + i, random.Random(i), enc, align=T, **kw)
+        prompt, answer, _ = tasks.make_example(task, 700 + i, random.Random(i), enc, align=T, **kw)
         text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
         needle, question, named, named_question = tasks.TEMPLATES[kw.get("template", "key")]
         assert want.isdigit() and len(want) == kw.get("digits", 5)
@@ -203,7 +235,7 @@ def test_task_variants(monkeypatch):
             assert keys[asked[0]] == want
         at = tasks.occurrences(prompt, answer)
         if "depth" in kw:  # the asked needle at that depth of the filler, after the needles drawn before it
-            needles, q, _, ask = tasks.needles_and_question(task, random.Random(i), **{k: v for k, v in kw.items()
+            needles, q, _, (ask,) = tasks.needles_and_question(task, random.Random(i), **{k: v for k, v in kw.items()
                                                                                        if k != "depth"})
             ids = [enc.encode_ordinary(t) for t in needles]
             n_fill = len(prompt) - len(enc.encode_ordinary(q)) - sum(map(len, ids))
@@ -229,7 +261,7 @@ def test_multikey_keys_are_distinct():
     import tasks
     changed = 0
     for seed in range(2000):
-        needles, _, answer, ask = tasks.needles_and_question("multikey", random.Random(seed), keys=16, digits=3)
+        needles, _, answer, (ask,) = tasks.needles_and_question("multikey", random.Random(seed), keys=16, digits=3)
         keys = [re.search(r" is (\d+)\.", n)[1] for n in needles]
         assert len(set(keys)) == 16 and answer == f" {keys[ask]}"
         rng = random.Random(seed)
@@ -266,7 +298,7 @@ def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
     import tasks
     enc = tokenizer_or_skip(monkeypatch)
 
-    def answer_prompt(model, prompt, n, state, segment, progress=None):  # a model that answers `reply`
+    def answer_prompt(model, prompt, n, state, segment, progress=None, marks=()):  # a model that answers `reply`
         text = enc.decode(list(prompt))
         keys = dict(re.findall(r"pass key of (\w+) is (\d+)\.", text))
         asked = re.search(r"pass key of (\w+) is$", text)[1]
@@ -275,7 +307,7 @@ def test_harness_scores_strictly(reply, tmp_path, monkeypatch, capsys):
         other = next(name for name in keys if name != asked)
         print(f"other {other}")
         out = enc.encode_ordinary(f" {keys[other]}.") if reply == "other" else answer + enc.encode_ordinary(reply)
-        return (out + enc.encode_ordinary(" The pass"))[:n], []
+        return (out + enc.encode_ordinary(" The pass"))[:n], {len(prompt) - 2: []}
 
     monkeypatch.setattr(sample, "answer_prompt", answer_prompt)
     sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--multikey", "--lengths=300",
@@ -297,7 +329,7 @@ def test_in_reach_counts_positions():
     model = DRT(tiny_config())  # S=8
     S, T, reach, answer = 8, 7, 20, [5, 6]
     cfg = type("Cfg", (), dict(n_lower=1, groups=(1,), window=10, chunk_size=S))  # window_reach 20
-    past = sample.prompt_kwargs(type("Args", (), dict(unseen_names=False, keys=4, template="key", digits=5)),
+    past = sample.prompt_kwargs(type("Args", (), dict(unseen_names=False, keys=4, template="key", digits=5, chains=6, no_lead=False)),
                                 cfg, "reach")["past"]
     near = []
     for n in range(30, 30 + S):  # every chunk phase of the prompt's end
@@ -327,6 +359,22 @@ def test_needle_picks_hit_at_1():
              ([P([7, 1], [0.6, 0.3]), P([3, 2], [0.1, 0.5])], True, False), ([P([5, 6], [0.6, 0.3])], False, False)]
     for picks, found, top in cases:
         assert tasks.needle_picks(prompt, answer, picks, T)[:2] == (found, top), picks
+
+
+def test_hop_hits_per_group():
+    """2-hop's per-group columns on a hand-made case: hop 1 counts group 1's largest weight at the landmark a chunk
+    ahead, hop 2 group 2's at the landmark serving the answer (a model of one group: group 1's there); the needle's
+    chunk or the next counts; a needle in the landmark's own chunk or later, or no picks at all, is not counted."""
+    import tasks
+    T = 4
+    hops = [(12, 15, 23), (5, 8, 27)]  # hop 1's needle in chunk 3, fetched at landmark 5; hop 2's in chunk 1, at 6
+    P = lambda idx, w: (torch.tensor(idx), torch.tensor(w))  # noqa: E731
+    early, late = P([3, 0], [0.7, 0.2]), P([1, 4], [0.6, 0.1])
+    assert tasks.hop_hits(hops, {23: [early, late], 27: [late, late]}, T) == [True, True]
+    assert tasks.hop_hits(hops, {23: [late, early], 27: [early, early]}, T) == [False, False]  # the groups swapped
+    assert tasks.hop_hits(hops, {23: [P([0, 4], [0.2, 0.7])], 27: [P([2, 3], [0.6, 0.2])]}, T) == [True, True]
+    assert tasks.hop_hits(hops, {23: [P([3, 0], [0.0, 0.0])], 27: [early]}, T) == [False, False]  # weight 0: no
+    assert tasks.hop_hits([(22, 24, 23), (5, 8, 27)], {23: [early], 27: []}, T) == [None, None]
 
 
 def test_wilson_interval():
@@ -389,7 +437,7 @@ def test_haystack_mix(tmp_path, monkeypatch):
     hay = tasks.Haystack(str(tmp_path / "book.bin"), enc)
     rows = {}
     for frac in (0.0, 0.5, 1.0):
-        x, _ = tasks.get_batch("passkey", 16, 300, random.Random(1), enc, haystack=hay, haystack_frac=frac)
+        x, _, _ = tasks.get_batch("passkey", 16, 300, random.Random(1), enc, haystack=hay, haystack_frac=frac)
         rows[frac] = sum("Ishmael" in enc.decode(r.tolist()) for r in x)
     assert rows[0.0] == 0 and rows[1.0] == 16 and 3 <= rows[0.5] <= 13
 
@@ -431,12 +479,15 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     sample.main([f"--ckpt={ckpt}", "--prompt=Once upon a time", "--max_new_tokens=5", "--device=cpu"])
     out = capsys.readouterr().out
     assert "iter 7" in out and "Once upon a time" in out
-    sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--lengths=300,1K", "--samples_per_length=2",
+    sample.main([f"--ckpt={ckpt}", "--passkey", "--vartrack", "--chains=2", "--lengths=1K,2K", "--samples_per_length=2",
                  "--offload", "--segment=100", "--device=cpu"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines()
-            if re.match(r"\s+(300|1K)\s+2\s+\d+\.\d% \[\d+-\d+\]\s+\d\s+(\d/\d|-)\s+(\d/\d|-)\s", line)]
+            if re.match(r"\s+(1K|2K)\s+2\s+\d+\.\d% \[\d+-\d+\]\s+\d\s+(\d/\d|-)\s+(\d/\d|-)\s", line)]
     assert len(rows) == 4, out  # two lengths x two tasks
+    assert "2 chains (3 needles for one retrieval, top-2), hops 256 tokens apart, the question asked a chunk ahead" in out
+    hop_rows = [line.split()[8:10] for line in rows if len(line.split()) == 14]  # vartrack's: hop1, hop2 columns
+    assert len(hop_rows) == 2 and all(re.fullmatch(r"\d/\d|-", h) for row in hop_rows for h in row), out
 
 
 def test_sample_show_misses(tmp_path, monkeypatch, capsys):
@@ -602,7 +653,7 @@ def test_sample_haystack_read_once(tmp_path, monkeypatch, capsys):
             super().__init__(*a)
 
     monkeypatch.setattr(sample, "Haystack", Counted)
-    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--passkey", "--vartrack", "--lengths=300",
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--passkey", "--vartrack", "--chains=2", "--lengths=1K",
                  "--samples_per_length=1", f"--haystack={tmp_path / 'books'}", "--device=cpu"])
     assert len(made) == 1 and capsys.readouterr().out.count("filler from") == 2  # one read, both tests
 

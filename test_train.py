@@ -439,8 +439,11 @@ def test_passkey_task(tmp_path, monkeypatch):
                     f"--out_dir={tmp_path / 'x'}"])
     with pytest.raises(train.ConfigError, match=r"task_min_depth=-1 must be >= 0"):
         train.main(["--task_min_depth=-1"])
-    with pytest.raises(train.ConfigError, match=r"a comma list is of synthetic tasks, each one of passkey, multikey"):
-        train.main(["--dataset=passkey,vartrack"])  # 2-hop is a test, never trained
+    with pytest.raises(train.ConfigError, match=r"a comma list is of synthetic tasks, each one of passkey, multikey, "
+                                                "vartrack"):
+        train.main(["--dataset=passkey,pg19"])
+    with pytest.raises(train.ConfigError, match=r"task_chains='1' must be N or A-B, 2 <= A <= B <= 16"):
+        train.main(["--dataset=vartrack", "--task_chains=1"])
 
 
 def test_task_keys_and_templates(tmp_path, monkeypatch):
@@ -454,9 +457,9 @@ def test_task_keys_and_templates(tmp_path, monkeypatch):
     rows, get_batch = [], tasks.get_batch
 
     def spy(*a, **kw):  # the rows train.py trains and evaluates on
-        x, y = get_batch(*a, **kw)
+        x, y, hops = get_batch(*a, **kw)
         rows.append(x)
-        return x, y
+        return x, y, hops
 
     monkeypatch.setattr(tasks, "get_batch", spy)
     train.main(["--dataset=multikey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1",
@@ -466,13 +469,13 @@ def test_task_keys_and_templates(tmp_path, monkeypatch):
     texts = [enc.decode(r.tolist()) for x in rows for r in x]
     needles = [re.findall(r"The secret code for \w+ is \d+\.", t.split("What is")[0]) for t in texts]  # before the question
     assert texts and all(len(n) == 12 for n in needles)
-    x, _ = get_batch("multikey", 24, 400, random.Random(0), enc, keys=(2, 16), templates=("key", "number"))
+    x, _, _ = get_batch("multikey", 24, 400, random.Random(0), enc, keys=(2, 16), templates=("key", "number"))
     counts = [len(re.findall(r" (?:pass key|magic number) of \w+ is \d+\.", enc.decode(r.tolist()).split("What is")[0]))
               for r in x]
     assert min(counts) >= 2 and max(counts) <= 16 and len(set(counts)) > 3
     assert {"pass key", "magic number"} == {re.search(r"What is the (pass key|magic number)", enc.decode(r.tolist()))[1]
                                             for r in x}
-    x, y = get_batch(["passkey", "multikey"], 32, 400, random.Random(1), enc, keys=(2, 16),
+    x, y, _ = get_batch(["passkey", "multikey"], 32, 400, random.Random(1), enc, keys=(2, 16),
                      templates=("key", "number", "id"))
     nouns = set()
     for r, t in zip(x, y):
@@ -501,7 +504,7 @@ def test_word_pool(monkeypatch):
     assert len(pool) > 10000 and len(set(pool)) == len(pool)
     assert not set(pool) & (set(tasks.NAMES) | set(tasks.UNSEEN_NAMES))
     assert all(len(enc.encode_ordinary(" " + w)) == 1 and w.isalpha() for w in random.Random(0).sample(pool, 500))
-    x, _ = tasks.get_batch("multikey", 8, 300, random.Random(0), enc, names=pool)
+    x, _, _ = tasks.get_batch("multikey", 8, 300, random.Random(0), enc, names=pool)
     rows = [enc.decode(row.tolist()) for row in x]
     assert all(set(re.findall(r"pass key of (\w+)", row)) <= set(pool) for row in rows)
     assert len({re.search(r"pass key of (\w+)\?", row).group(1) for row in rows}) == 8  # asked: 8 draws from 12K
@@ -521,7 +524,7 @@ def test_task_validation_names_were_never_trained(monkeypatch):
     train_pool, val_pool = set(tasks.word_pool(enc)), set(tasks.word_pool(enc, (9, 12)))
     assert len(val_pool) > 4000 and not val_pool & train_pool and not val_pool & tests
     for split, pool in (("train", train_pool), ("val", val_pool)):
-        x, _ = rows.batch(split, random.Random(2), split == "train")
+        x, _, _ = rows.batch(split, random.Random(2), split == "train")
         asked = [re.search(r"What is the [\w ]+? (?:for|of) (\w+)\?", enc.decode(row.tolist())) for row in x]
         assert all(asked) and {m.group(1) for m in asked} <= pool, split
 
@@ -805,7 +808,7 @@ def test_teacher_hands_over_the_asked_needle(monkeypatch):
     assert 0 < c["teacher_iters"] < c["max_iters"] and c["teacher_slots"] == 1
     cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
     T, rows, found = cfg.chunk_size - 1, tasks.TaskRows(types.SimpleNamespace(**c)), []
-    x, y = rows.batch("train", random.Random(0), True)  # (B, block_size) each; y: -1 but on the answer
+    x, y, _ = rows.batch("train", random.Random(0), True)  # (B, block_size) each; y: -1 but on the answer
     picks = train.teacher_picks(x, cfg, c["teacher_slots"])  # (B, n, K): -1 but in the last slot
     for b in range(x.size(0)):
         p = int((y[b] >= 0).nonzero()[0, 0])  # the question's last token predicts the answer's first
@@ -829,8 +832,8 @@ def test_needle_labels_point_at_the_asked_key(monkeypatch):
     files = [os.path.join(HERE, "config", f) for f in ("passkey_pretrain.py", "passkey_finetune.py")]
     c, _ = parse(files + ["--task_haystack=", "--batch_size=32"])
     T, rows = c["chunk_size"] - 1, tasks.TaskRows(types.SimpleNamespace(**c))
-    x, y = rows.batch("train", random.Random(1), True)
-    labels = tasks.needle_labels(x, y, T)
+    x, y, _ = rows.batch("train", random.Random(1), True)
+    labels = tasks.needle_labels(x, y, T)[:, 0]  # one group
     assert labels.shape == (x.size(0), x.size(1) // T)
     for b in range(x.size(0)):
         p = int((y[b] >= 0).nonzero()[0, 0])
@@ -893,7 +896,7 @@ def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
             "--eval_interval=2", "--eval_iters=1", "--device=cpu", "--needle_loss=0.5", f"--out_dir={tmp_path / 'n'}"]
     hist = train.main(args)  # two micro-batches a step
     assert all(np.isfinite(loss) for _, loss in hist)
-    assert [s for training, s in seen if training] == [(4, 70 // 7)] * 4
+    assert [s for training, s in seen if training] == [(4, 1, 70 // 7)] * 4
     assert {s for training, s in seen if not training} == {None}
     with pytest.raises(train.ConfigError, match="needle_loss"):
         train.main(tiny_args(tmp_path, "text", "--needle_loss=0.5", "--max_iters=2"))

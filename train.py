@@ -54,7 +54,7 @@ overwrite = False  # True: a run from scratch or a fine-tune may replace the ckp
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt, its config), or another run's ckpt.pt/folder to fine-tune
 stop_iter = 0  # stop and save after this step, the schedule unchanged (a long run in pieces); 0 = max_iters
 # data
-dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or tasks.py's passkey, multikey or "passkey,multikey"
+dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or a comma list of tasks.py's passkey, multikey, vartrack
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
@@ -66,6 +66,7 @@ task_min_depth = 0  # no needle before this token: the first chunks, told apart 
 task_haystack = ""  # a .bin of prepare_pg19.py whose text hides the needles; "" = the repeated sentences only
 task_haystack_frac = 0.5  # with task_haystack: the share of prompts in real text
 task_keys = "4"  # multi-key's needles per prompt: N, or A-B drawn per prompt (2-16; beyond top-k, names must match)
+task_chains = "6"  # vartrack's chains per prompt: N, or A-B drawn per prompt (2-16)
 task_templates = "key"  # phrasings, a comma list of tasks.TEMPLATES, one per prompt; 'code' is held out for tests
 # batch
 batch_size = 4  # sequences per micro-batch per GPU: the paper's 4 x 16380
@@ -125,6 +126,8 @@ def check_config(config):
         ("," in c.dataset and not is_tasks(c.dataset),
          f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TRAINED)}"),
         (tasks.parse_range(c.task_keys, 2, 16) is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
+        (tasks.parse_range(c.task_chains, 2, 16) is None,
+         f"task_chains={c.task_chains!r} must be N or A-B, 2 <= A <= B <= 16"),
         (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys(),
          f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}"),
         (c.dtype not in ("auto", "bfloat16", "float32"), f"dtype={c.dtype!r} must be one of auto, bfloat16, float32"),
@@ -144,13 +147,13 @@ class Data:
             self.rows = (tasks.TaskRows if is_tasks(c.dataset) else tasks.TextRows)(c)
         except (OSError, ValueError) as e:
             raise ConfigError(e) from None
-        self.vocab, self.device, self.T = self.rows.vocab, device, c.chunk_size - 1
+        self.vocab, self.device, self.T, self.G = self.rows.vocab, device, c.chunk_size - 1, len(c.groups)
         self.span = tasks.MAX_ANSWER if is_tasks(c.dataset) else 0  # task rows score their answer alone: its span
 
     def batch(self, split, rng, training=False, needles=False):  # (x, y), (B, T) each, on the device
-        pin = self.device.type == "cuda"  # needles: + tasks.needle_labels (B, T // (chunk_size - 1))
-        rows = self.rows.batch(split, rng, training)
-        rows = (*rows, tasks.needle_labels(*rows, self.T)) if needles else rows
+        pin = self.device.type == "cuda"  # needles: + tasks.needle_labels (B, groups, T // (chunk_size - 1))
+        x, y, hop1 = self.rows.batch(split, rng, training)
+        rows = (x, y, tasks.needle_labels(x, y, self.T, self.G, hop1)) if needles else (x, y)
         return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin) for t in rows)
 
 

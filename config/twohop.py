@@ -1,0 +1,16 @@
+# Stage 2 with 2-hop variable tracking (RULER) beside passkey and multi-key, for DRT x2: read after
+# config/passkey_finetune.py, whose settings it keeps, from a stage 1 with two retrieval groups.
+#   python train.py config/passkey_pretrain.py --groups="(1,1)" --out_dir=out-pre2
+#   python train.py config/passkey_finetune.py config/twohop.py
+#   python sample.py --out_dir=out-twohop --vartrack --passkey --multikey --lengths=4K,64K,1M --haystack=data/pg19/test.bin
+# A third of the rows ask "What is the value of VAR Y?" among 2-8 chains "VAR X = 12345." ... "VAR Y = X."
+# (tasks.py). The question closes a chunk a chunk ahead of the answer's: at its landmark group 1 fetches
+# "VAR Y = X."; the next chunk reads it, so group 2's query at the landmark serving the answer knows X and
+# can fetch "VAR X = 12345." (model.py's DRT.run; the paper's layout, with the question in the last chunk
+# alone, leaves group 2 no chunk to read group 1's find in). The needle ranking loss names each hop in its
+# group, at its landmark (tasks.needle_labels); the teacher's chunks are those of config/passkey_finetune.py,
+# which for these rows are the two hops at their two landmarks.
+out_dir = "out-twohop"
+init_from = "out-pre2"
+dataset = "passkey,multikey,vartrack"
+task_chains = "2-8"  # 4-16 needles a prompt; the tests ask among 6 chains
