@@ -267,14 +267,14 @@ def min_length(task, seed, enc, align=None, **kw):
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, min_depth=0, align=None,
-              names=NAMES, keys=(4, 4), templates=("key",), chains=(CHAINS, CHAINS), gap=0):
+              names=NAMES, keys=(4, 4), templates=("key",), chains=(CHAINS, CHAINS)):
     """A training batch: x, y (B, seq_len) int64 and hop1 (B, 2). Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
     The answer is followed by ANSWER_END, as the key is in its needle. y is the next token at the
     answer's and ANSWER_END's positions alone (-1 elsewhere): the model has learned text and copying
     in stage 1. names: multi-key's; keys (lo, hi): its needle count, drawn per row; templates: one
-    drawn per row; chains (lo, hi): vartrack's, drawn per row; gap: make_example's. hop1: in a 2-hop row, the
+    drawn per row; chains (lo, hi): vartrack's, drawn per row. hop1: in a 2-hop row, the
     middle token of the first hop's needle and the last token of the chunk whose landmark must fetch it (-1:
     one hop). A choice of one draws nothing from rng."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -288,7 +288,7 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
         m = rng.randint(*chains) if task == "vartrack" and chains[0] < chains[1] else chains[0]
         prompt, answer, hops = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names,
-                                            n, template, chains=m, gap=gap)
+                                            n, template, chains=m)
         if len(hops) > 1:
             hop1[b] = torch.tensor([(hops[0][0] + hops[0][1]) // 2, hops[0][2]])
         answer = answer + enc.encode_ordinary(ANSWER_END)
@@ -317,8 +317,7 @@ class TaskRows:
         self.align = c.chunk_size - 1  # questions aligned (Appendix D)
         self.names = {"train": word_pool(self.enc), "val": word_pool(self.enc, (9, 12))}  # val's: never trained
         self.keys, self.templates = parse_range(c.task_keys, 2, 16), tuple(c.task_templates.split(","))
-        self.chains = parse_range(c.task_chains, 2, 16)
-        self.gap = 2 * c.chunk_size  # 2-hop: the hops' needles in chunks apart, not neighbours
+        self.chains = parse_range(c.task_chains, 2, 16)  # 2-hop's; its hops may lie near each other in training
         try:
             self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
         except (OSError, ValueError) as e:
@@ -327,7 +326,7 @@ class TaskRows:
             for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
                              min_depth=c.task_min_depth, align=self.align, names=self.names["train"], keys=self.keys[1],
-                             template=template, chains=self.chains[1], gap=self.gap)
+                             template=template, chains=self.chains[1])
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
@@ -336,8 +335,7 @@ class TaskRows:
         pool."""
         c = self.c
         return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
-                         c.task_min_depth, self.align, self.names[split], self.keys, self.templates, self.chains,
-                         self.gap)
+                         c.task_min_depth, self.align, self.names[split], self.keys, self.templates, self.chains)
 
 
 class TextRows:
