@@ -86,6 +86,21 @@ def test_readme_setup():
     assert "--source /path/to/pg19 --out data/pg19 --max_books=20" in readme
 
 
+def test_gitignore_readme_leftovers():
+    """What the README's commands leave in the checkout is ignored: the Linux source package and the tree
+    unpacked from it (prepare_code.py), the plots of evaluate.py."""
+    import shutil
+    import subprocess
+    if not shutil.which("git") or not os.path.exists(os.path.join(HERE, ".git")):
+        pytest.skip("needs git and a git checkout")
+    paths = ["linux/usr/src/linux-source-6.12.tar.xz", "linux-source-6.12_6.12.118-1_all.deb", "ppl.png", "picks.png"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=HERE, capture_output=True, text=True)
+    assert r.stdout.split() == paths
+    r = subprocess.run(["git", "check-ignore", "--no-index", "assets/drt.png", "model.py"], cwd=HERE,
+                       capture_output=True, text=True)
+    assert r.stdout == ""
+
+
 def test_prepare_fmt_time():
     got = [common.fmt_time(s) for s in (0, 59.9, 61, 3600, 3725)]  # the ETAs of prepare_pg19.py and train.py
     assert got == ["0m00s", "0m59s", "1m01s", "1h00m", "1h02m"]
