@@ -189,6 +189,8 @@ def main(argv=None):
         raise SystemExit(f"prepare_code.py: error: --max_books={args.max_books}: give a positive number, or leave it out")
     if args.train_every < 1:
         raise SystemExit(f"prepare_code.py: error: --train_every={args.train_every}: give a positive number")
+    if args.num_proc is not None and args.num_proc < 1:
+        raise SystemExit(f"prepare_code.py: error: --num_proc={args.num_proc}: must be >= 1")
     t0, raw = time.time(), os.path.join(args.out, "raw")
     try:
         if not args.overwrite:

@@ -596,6 +596,13 @@ def test_code_corpus_errors(tmp_path, monkeypatch):
     assert _files(out) == before  # the tokenizer is checked before the tree is read and raw/ replaced
 
 
+def test_code_corpus_num_proc(tmp_path):
+    import prepare_code as pc
+    for flag in ("--num_proc=0", "--num_proc=-3"):  # as prepare_pg19.py refuses them
+        with pytest.raises(SystemExit, match=rf"^prepare_code.py: error: {flag}: must be >= 1$"):
+            pc.main(["--source", str(tmp_path / "linux.tar.xz"), "--out", str(tmp_path / "out"), flag])
+
+
 def test_code_corpus_train_every(tmp_path, monkeypatch):
     """--train_every=2 (the README's code runs): every second training document in the dataset's order, each
     with the tokens the whole build gives it; validation and test whole. Bad values stop at once."""
