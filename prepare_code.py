@@ -23,7 +23,8 @@ linux-source-6.12 (6.12.118) gives 775 documents: train 683, validation 38, test
 
 Output: <out>/raw/{train,validation,test}/<dir with / as __>.txt and metadata.csv (name, directory),
 then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py writes them. A dataset
-already in --out is kept (the run stops at once, naming it) unless --overwrite.
+already in --out, or any of these files or raw/, is kept (the run stops at once, naming it) unless
+--overwrite.
 """
 import argparse
 import gzip
@@ -41,6 +42,7 @@ EXCLUDED = ("arch", "tools", "scripts", "samples", "Documentation", "usr", "driv
 MAX_FILE = 256 * 1024       # bytes: larger files are generated tables, not code one reads
 DOC_CAP = 2 * 1024 * 1024   # characters: no file is added once a document has passed this
 DOC_MIN = 200 * 1024        # characters: shorter documents are dropped (nothing far to refer to)
+OUTPUTS = ("train.bin", "val.bin", "test.bin", "meta.json", "raw")  # what a run writes in --out
 
 
 def split_of(d):
@@ -194,7 +196,7 @@ def main(argv=None):
     t0, raw = time.time(), os.path.join(args.out, "raw")
     try:
         if not args.overwrite:
-            refuse_existing(args.out)  # before build replaces raw/
+            refuse_existing(args.out, OUTPUTS)  # before build replaces raw/
         get_tokenizer(args.tokenizer_file)  # and before it reads a whole tree
         build(args.source, raw)
         meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books,

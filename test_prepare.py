@@ -241,6 +241,57 @@ def test_prepare_errors(tmp_path, monkeypatch):
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
 
 
+def test_prepare_keeps_files_it_would_write(tmp_path, monkeypatch):
+    """Files of the user's in --out under the names a run writes (train.bin, val.bin without a meta.json: no
+    finished dataset) are kept: the run stops at once, naming them, and --overwrite replaces them. With --splits,
+    the other splits' files are not the run's to refuse or touch; a file of any other name is never touched (the
+    run's temporary files have names of their own)."""
+    tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {1: "Train book. " * 20}, "validation": {2: "Valid."}, "test": {3: "Test."}})
+    out.mkdir()
+    mine = {"train.bin": b"my own tokens", "val.bin": b"mine too", "notes": b"n"}
+    others = {f"{n}.tmp": b"t" for n in ("train.bin", "val.bin", "test.bin", "meta.json")}
+    for name, data in {**mine, **others}.items():
+        (out / name).write_bytes(data)
+    argv = ["--source", str(src), "--out", str(out), "--num_proc=1"]
+    with pytest.raises(SystemExit) as e:
+        prepare_pg19.main(argv)
+    assert str(e.value) == (f"prepare_pg19.py: error: {out} already holds train.bin, val.bin, not a finished dataset "
+                            f"(no meta.json): pass --overwrite to replace them, or another --out")
+    with pytest.raises(SystemExit, match=r"holds val\.bin, not a finished dataset .*: pass --overwrite to replace it,"):
+        prepare_pg19.main([*argv, "--splits=validation,test"])
+    assert _files(out) == {**mine, **others}
+    prepare_pg19.main([*argv, "--splits=test"])  # test.bin and meta.json: no file of the user's
+    after = _files(out)
+    assert sorted(after) == sorted([*mine, *others, "test.bin", "meta.json"])
+    assert {n: after[n] for n in [*mine, *others]} == {**mine, **others}
+    prepare_pg19.main([*argv, "--overwrite"])
+    after = _files(out)
+    assert after["train.bin"] != mine["train.bin"] and after["val.bin"] != mine["val.bin"]
+    assert sorted(after) == sorted([*mine, *others, "test.bin", "meta.json"])
+    assert {n: after[n] for n in ["notes", *others]} == {"notes": b"n", **others}
+
+
+def test_prepare_out_is_a_file(tmp_path, monkeypatch):
+    """--out naming a file, or a path inside one, is refused as that, by both scripts, with or without
+    --overwrite (there is no dataset to replace), and the file is left as it was."""
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    src = tmp_path / "src"
+    _write_books(src, {"train": {1: "a"}, "validation": {2: "b"}, "test": {3: "c"}})
+    (tmp_path / "a_file").write_text("mine")
+    for script, name, extras in ((prepare_pg19, "prepare_pg19.py", ([], ["--overwrite"])), (pc, "prepare_code.py", ([],))):
+        for out, what in (("a_file", "is a file"), ("a_file/out", "inside")):
+            for extra in extras:
+                with pytest.raises(SystemExit) as e:
+                    script.main(["--source", str(src), "--out", str(tmp_path / out), "--num_proc=1", *extra])
+                msg = str(e.value)
+                assert msg.startswith(f"{name}: error: output folder {tmp_path / out} ") and what in msg, msg
+                assert "pass --out" in msg and "--overwrite" not in msg and "\n" not in msg, msg
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
 def test_prepare_ctrl_c(tmp_path, monkeypatch):
     """Ctrl-C (to the whole process group, as a terminal sends it) while the workers tokenize: one
