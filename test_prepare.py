@@ -647,6 +647,49 @@ def test_code_corpus_errors(tmp_path, monkeypatch):
     assert _files(out) == before  # the tokenizer is checked before the tree is read and raw/ replaced
 
 
+def test_code_corpus_keeps_user_files(tmp_path, monkeypatch):
+    """prepare_code.py deletes nothing it did not write: a raw/ (or train.bin) of the user's in --out stops the run at
+    once; with --overwrite a file of the user's in raw/ stops it too, before the tree is read; a folder beside raw/
+    is never touched, whatever its name; a build's own raw/ is replaced."""
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    _code_tree(tmp_path / "tree")
+    out = tmp_path / "mine2"
+    (out / "raw").mkdir(parents=True)
+    (out / "raw" / "notes.txt").write_text("my notes")
+    (out / "raw.tmp").mkdir()
+    (out / "raw.tmp" / "keep.txt").write_text("keep")
+
+    def files():
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def run(*extra):
+        pc.main(["--source", str(tmp_path / "tree"), "--out", str(out), "--num_proc=1", "--max_books=1", *extra])
+    with pytest.raises(SystemExit) as e:
+        run()
+    assert str(e.value) == (f"prepare_code.py: error: {out} already holds raw, not a finished dataset (no meta.json): "
+                            f"pass --overwrite to replace it, or another --out")
+    read = pc.tree_files
+    monkeypatch.setattr(pc, "tree_files", lambda *a: pytest.fail("read the tree"))
+    with pytest.raises(SystemExit) as e:
+        run("--overwrite")
+    assert str(e.value) == (f"prepare_code.py: error: {out / 'raw'}, where the documents go, holds files prepare_code.py "
+                            f"did not write ({out / 'raw' / 'notes.txt'}): move them out of it, or pass another --out")
+    assert files() == {"raw/notes.txt": b"my notes", "raw.tmp/keep.txt": b"keep"}
+    monkeypatch.setattr(pc, "tree_files", read)
+    (out / "raw" / "notes.txt").rename(tmp_path / "notes.txt")
+    run("--overwrite")
+    built = files()
+    assert built["raw.tmp/keep.txt"] == b"keep" and "meta.json" in built and "raw/metadata.csv" in built
+    (out / "raw" / "train" / "mine.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=re.escape(f"did not write ({out / 'raw' / 'train' / 'mine.txt'})")):
+        run("--overwrite")
+    assert files() == {**built, "raw/train/mine.txt": b"mine"}
+    (out / "raw" / "train" / "mine.txt").unlink()
+    run("--overwrite")  # over a build's own raw/: replaced
+    assert files() == built and sorted(os.listdir(out)) == ["meta.json", "raw", "raw.tmp", "test.bin", "train.bin", "val.bin"]
+
+
 def test_code_corpus_num_proc(tmp_path):
     import prepare_code as pc
     for flag in ("--num_proc=0", "--num_proc=-3"):  # as prepare_pg19.py refuses them
