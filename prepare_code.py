@@ -37,7 +37,7 @@ import tarfile
 import tempfile
 import time
 
-from prepare_pg19 import _print, get_tokenizer, prepare, refuse_existing
+from prepare_pg19 import _print, get_tokenizer, missing_top, prepare, refuse_existing, remove_made, unwritable
 
 EXCLUDED = ("arch", "tools", "scripts", "samples", "Documentation", "usr", "drivers/gpu/drm/amd/include")
 MAX_FILE = 256 * 1024       # bytes: larger files are generated tables, not code one reads
@@ -232,11 +232,14 @@ def main(argv=None):
         raise SystemExit(f"prepare_code.py: error: --train_every={args.train_every}: give a positive number")
     if args.num_proc is not None and args.num_proc < 1:
         raise SystemExit(f"prepare_code.py: error: --num_proc={args.num_proc}: must be >= 1")
-    t0, raw = time.time(), os.path.join(args.out, "raw")
+    t0, raw, meta = time.time(), os.path.join(args.out, "raw"), None
+    top, fresh = missing_top(args.out), not os.path.lexists(raw)  # what this run makes, and a failed one removes
     try:
         if not args.overwrite:
             refuse_existing(args.out, OUTPUTS)  # before build replaces raw/
         get_tokenizer(args.tokenizer_file)  # and before it reads a whole tree
+        if why := unwritable(args.out):
+            raise ValueError(f"output folder {why}: pass --out to a writable folder")
         build(args.source, raw)
         meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books,
                        train_every=args.train_every)
@@ -245,6 +248,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(f"prepare_code.py: interrupted: {args.out} keeps the dataset it had", file=sys.stderr)
         raise SystemExit(130)
+    finally:
+        if meta is None:  # failed: the raw/ and --out this run made go, a user's files stay
+            try:
+                if fresh:
+                    remove_build(raw)
+            except (OSError, ValueError):
+                pass
+            remove_made(args.out, top)
     counts = ", ".join(f"{s} {m['tokens']:,}" for s, m in meta["splits"].items())
     _print(f"done in {time.time() - t0:.1f}s: {counts} tokens -> {args.out}")
 

@@ -28,7 +28,8 @@ there is what marks the output complete. Nothing is lost on a failed run:
 every book is read and UTF-8-checked before anything is written, the new
 files are written in a temporary folder of the run's own, and the previous
 dataset is replaced only when the new one is whole (meta.json removed, .bin
-files renamed into place, new meta.json written last).
+files renamed into place, new meta.json written last); an --out folder the
+run made is removed again.
 """
 import argparse
 import csv
@@ -281,6 +282,27 @@ def refuse_existing(out_dir, names):
         raise ValueError(f"{out_dir} already holds {', '.join(there)}, not a finished dataset (no meta.json): pass "
                          f"--overwrite to replace {'it' if len(there) == 1 else 'them'}, or another --out")
 
+def missing_top(folder):
+    """The outermost folder of folder's path that does not exist yet, None if folder exists: what this run
+    makes, and a failed run removes again."""
+    folder, top = os.path.abspath(folder), None
+    while not os.path.lexists(folder):
+        folder, top = os.path.dirname(folder), folder
+    return top
+
+def remove_made(folder, top):
+    """After a failed run: remove folder and the folders above it up to top (missing_top before the run), as
+    long as they are empty, so that "nothing was written" holds; a file anyone put there stays."""
+    folder = os.path.abspath(folder)
+    while top:
+        try:
+            os.rmdir(folder)  # only ever an empty folder
+        except OSError:
+            return
+        if folder == top:
+            return
+        folder = os.path.dirname(folder)
+
 def swap_in(meta, meta_path, bins, work):
     """Put a finished run in place: meta written in the run's own temporary folder work, then meta.json out
     first, the new .bin files over the old ones (bins: {temporary path: final path}), meta.json in last,
@@ -303,7 +325,7 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     <out_dir>/{train,val,test}.bin and meta.json. Returns the meta
     dict. A dataset already in out_dir is left as it was unless this run
     completes: the new files are written in a temporary folder of its own and
-    swapped in at the end."""
+    swapped in at the end. A failed run removes the out_dir it made."""
     if not os.path.isdir(source):
         raise FileNotFoundError(f"source folder {source} not found: pass --source with a PG19 copy "
                                 f"(train/ validation/ test/), or leave it out to download PG19")
@@ -317,16 +339,17 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     books = {s: list_books(source, s, max_books) for s in splits}  # every split before any real work
     if "train" in books:
         books["train"] = books["train"][::train_every]
-    if why := unwritable(out_dir):
-        raise ValueError(f"output folder {why}: pass --out to a writable folder")
     ranks_file = ranks_file or os.environ.get("DRT_GPT2_RANKS")
     _init_worker(ranks_file)  # fail fast on a tokenizer problem, before starting workers
+    top = missing_top(out_dir)
+    if why := unwritable(out_dir):
+        raise ValueError(f"output folder {why}: pass --out to a writable folder")
     meta_path = os.path.join(out_dir, "meta.json")
     try:
         old = read_meta(out_dir) or {}
     except ValueError:  # unreadable: this run starts afresh (main refuses it without --overwrite)
         old = {}
-    work, pool = tempfile.mkdtemp(prefix=".prepare-", dir=out_dir), None  # no user's file has its name
+    work, done, pool = tempfile.mkdtemp(prefix=".prepare-", dir=out_dir), False, None  # no user's file has its name
     tmp = {s: os.path.join(work, SPLITS[s] + ".bin") for s in splits}
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     try:
@@ -347,10 +370,13 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
                 "source": os.path.abspath(source), "splits": {**kept, **new},
                 "titles": {i: t for i, t in titles.items() if i in ids}}
         swap_in(meta, meta_path, {tmp[s]: os.path.join(out_dir, SPLITS[s] + ".bin") for s in splits}, work)
+        done = True
     finally:
         if pool:
             pool.terminate()  # also stops workers still busy after an error
         shutil.rmtree(work, ignore_errors=True)  # a failed run leaves no temp files
+        if not done:
+            remove_made(out_dir, top)
     log(f"wrote {', '.join(m['file'] for m in new.values())} and meta.json to {out_dir}")
     return meta
 

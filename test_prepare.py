@@ -281,15 +281,46 @@ def test_prepare_out_is_a_file(tmp_path, monkeypatch):
     src = tmp_path / "src"
     _write_books(src, {"train": {1: "a"}, "validation": {2: "b"}, "test": {3: "c"}})
     (tmp_path / "a_file").write_text("mine")
-    for script, name, extras in ((prepare_pg19, "prepare_pg19.py", ([], ["--overwrite"])), (pc, "prepare_code.py", ([],))):
+    for script, name in ((prepare_pg19, "prepare_pg19.py"), (pc, "prepare_code.py")):
         for out, what in (("a_file", "is a file"), ("a_file/out", "inside")):
-            for extra in extras:
+            for extra in ([], ["--overwrite"]):
                 with pytest.raises(SystemExit) as e:
                     script.main(["--source", str(src), "--out", str(tmp_path / out), "--num_proc=1", *extra])
                 msg = str(e.value)
                 assert msg.startswith(f"{name}: error: output folder {tmp_path / out} ") and what in msg, msg
                 assert "pass --out" in msg and "--overwrite" not in msg and "\n" not in msg, msg
     assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_prepare_failed_run_leaves_no_folder(tmp_path, monkeypatch):
+    """A failed run that says nothing was written leaves nothing: the --out folders it made go again (parents
+    too), a folder that was there stays, and so does a file anyone put in one."""
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    src = tmp_path / "src"
+    _write_books(src, {"train": {1: "fine"}, "validation": {2: b"\xff bad"}, "test": {3: "fine"}})
+    with pytest.raises(SystemExit, match="nothing was written"):
+        prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "new" / "out"), "--num_proc=1"])
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    (tmp_path / "there").mkdir()
+    with pytest.raises(ValueError, match="nothing was written"):
+        prepare_pg19.prepare(str(src), str(tmp_path / "there" / "out"), num_proc=2, log=lambda s: None)
+    assert os.listdir(tmp_path / "there") == []
+
+    # prepare_code.py, failing after its build: the raw/ it built goes too, and the --out it made
+    _code_tree(tmp_path / "tree")
+
+    def fails(source, out_dir, **kw):
+        assert sorted(os.listdir(out_dir)) == ["raw"]
+        if os.path.basename(out_dir) == "user":
+            (Path(out_dir) / "mine.txt").write_text("added during the run")
+        raise ValueError("tokenizing failed")
+    monkeypatch.setattr(pc, "prepare", fails)
+    for out in (tmp_path / "new2" / "code", tmp_path / "there" / "code", tmp_path / "user"):
+        with pytest.raises(SystemExit, match="tokenizing failed"):
+            pc.main(["--source", str(tmp_path / "tree"), "--out", str(out)])
+    assert sorted(os.listdir(tmp_path)) == ["src", "there", "tree", "user"]
+    assert os.listdir(tmp_path / "there") == [] and os.listdir(tmp_path / "user") == ["mine.txt"]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
