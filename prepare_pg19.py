@@ -19,6 +19,7 @@ are cheap: files already downloaded whole are skipped.
 A dataset already in --out (its meta.json), or any file a run would write
 there (a train.bin of your own), is kept: a run over it stops at once, naming
 what is there; --overwrite replaces it (with --splits, those splits alone).
+An empty (or whitespace-only) book is skipped, and said so.
 
 Output in --out: train.bin, val.bin, test.bin (uint16 GPT-2 ids, each book
 followed by <|endoftext|> = 50256) and meta.json: per split ("train", "val",
@@ -177,30 +178,33 @@ def read_titles(source):
     return {r[0]: r[1] for r in rows if r[0] != "_id"}  # the sample's header row ("_id,...") is no book
 
 def _check_book(path):
-    """(bytes read, None) if the book is readable UTF-8, else (bytes read, what is wrong)."""
+    """(path, bytes read, what is wrong or None, whether it is blank: empty or whitespace only)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        return 0, f"cannot read {path}: {e}"
+        return path, 0, f"cannot read {path}: {e}", False
     try:
-        data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        return len(data), f"{path} is not valid UTF-8 ({e})"
-    return len(data), None
+        return path, len(data), f"{path} is not valid UTF-8 ({e})", False
+    return path, len(data), None, not text.strip()
 
 def check_books(paths, pool, log=_print):
     """Read and UTF-8-decode every book, in the workers, before anything is
     written: a bad book in test/ must not be found after hours of tokenizing
-    train/. Costs one read and decode of the text, no tokenizing."""
+    train/. Costs one read and decode of the text, no tokenizing. Returns the
+    set of blank books (empty or whitespace only)."""
     total_mb = sum(os.path.getsize(p) for p in paths) / 1e6
     results = pool.imap_unordered(_check_book, paths) if pool else map(_check_book, paths)
-    bad, done_mb = [], 0.0
+    bad, blank, done_mb = [], set(), 0.0
     t0 = last = time.time()
-    for i, (n_bytes, err) in enumerate(results, 1):
+    for i, (path, n_bytes, err, is_blank) in enumerate(results, 1):
         done_mb += n_bytes / 1e6
         if err:
             bad.append(err)
+        if is_blank:
+            blank.add(path)
         if time.time() - last > 1 or i == len(paths):
             last, dt = time.time(), time.time() - t0
             rate = done_mb / max(dt, 1e-9)
@@ -211,6 +215,7 @@ def check_books(paths, pool, log=_print):
         more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise ValueError(f"{len(bad)} of {len(paths)} books cannot be used: {'; '.join(bad[:3])}{more}. "
                          f"Fix or remove the bad books and rerun; nothing was written")
+    return blank
 
 _enc = None  # the tokenizer of this (worker) process
 
@@ -325,7 +330,8 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     <out_dir>/{train,val,test}.bin and meta.json. Returns the meta
     dict. A dataset already in out_dir is left as it was unless this run
     completes: the new files are written in a temporary folder of its own and
-    swapped in at the end. A failed run removes the out_dir it made."""
+    swapped in at the end. Blank books (empty, whitespace only) are skipped.
+    A failed run removes the out_dir it made."""
     if not os.path.isdir(source):
         raise FileNotFoundError(f"source folder {source} not found: pass --source with a PG19 copy "
                                 f"(train/ validation/ test/), or leave it out to download PG19")
@@ -354,7 +360,16 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     try:
         pool = mp.Pool(num_proc, initializer=_init_worker, initargs=(ranks_file, True)) if num_proc > 1 else None
-        check_books([p for s in splits for _, p in books[s]], pool, log)
+        blank = check_books([p for s in splits for _, p in books[s]], pool, log)
+        for s in splits:  # a blank book would be an <|endoftext|> alone: nothing to learn or score
+            for _, p in books[s]:
+                if p in blank:
+                    log(f"{s}: skipped {p}: empty or whitespace only")
+            books[s] = [b for b in books[s] if b[1] not in blank]
+            if not books[s]:
+                raise ValueError(f"split folder {os.path.join(source, s)}: every book is empty or whitespace "
+                                 f"only, so the split would have no text: add books, or leave the split out "
+                                 f"(--splits); nothing was written")
         new = {}
         for s in splits:
             t0 = time.time()

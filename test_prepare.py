@@ -122,7 +122,7 @@ def test_prepare_tiny_layout(tmp_path, monkeypatch):
     enc = tokenizer_or_skip(monkeypatch)
     books = {
         "train": {10: "Chapter I.\n\nCall me Ishmael. " * 50, 9: "Short book.\r\nWith CRLF.\r\n",
-                  123: "Ünïcødé — “quotes” and <|endoftext|> as plain text.\n", 7: ""},
+                  123: "Ünïcødé — “quotes” and <|endoftext|> as plain text.\n", 7: "Seven."},
         "validation": {5: "The valid book.\n" * 20},
         "test": {3: "The test book; the end.\n"},
     }
@@ -239,6 +239,30 @@ def test_prepare_errors(tmp_path, monkeypatch):
 
     with pytest.raises(SystemExit, match="no_such_dir"):  # the CLI turns errors into one clear line
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
+
+
+def test_prepare_skips_blank_books(tmp_path, monkeypatch):
+    """An empty or whitespace-only book is skipped, with a line that says so (tokenized, it would be an
+    <|endoftext|> alone); a split of nothing else is refused, before anything is written."""
+    enc = tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {1: "Some text.", 2: "", 3: " \n\t\r\n"}, "validation": {4: ""}, "test": {5: "The end."}})
+    with pytest.raises(SystemExit) as e:
+        prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1"])
+    assert str(e.value) == (f"prepare_pg19.py: error: split folder {src / 'validation'}: every book is empty or "
+                            f"whitespace only, so the split would have no text: add books, or leave the split out "
+                            f"(--splits); nothing was written")
+    assert not out.exists()
+    (src / "validation" / "6.txt").write_text("Valid.")
+    lines = []
+    meta = prepare_pg19.prepare(str(src), str(out), num_proc=2, log=lines.append)
+    skipped = [line for line in lines if "skipped" in line]
+    assert skipped == [f"train: skipped {src / 'train' / '2.txt'}: empty or whitespace only",
+                       f"train: skipped {src / 'train' / '3.txt'}: empty or whitespace only",
+                       f"validation: skipped {src / 'validation' / '4.txt'}: empty or whitespace only"]
+    assert {n: [b for b, _, _ in m["offsets"]] for n, m in meta["splits"].items()} == {"train": [1], "val": [6], "test": [5]}
+    val = np.fromfile(out / "val.bin", dtype=np.uint16).tolist()
+    assert val == enc.encode_ordinary("Valid.") + [50256] and meta["splits"]["val"]["tokens"] == len(val) > 1
 
 
 def test_prepare_keeps_files_it_would_write(tmp_path, monkeypatch):
