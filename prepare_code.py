@@ -23,7 +23,8 @@ linux-source-6.12 (6.12.118) gives 775 documents: train 683, validation 38, test
 
 Output: <out>/raw/{train,validation,test}/<dir with / as __>.txt and metadata.csv (name, directory),
 then <out>/train.bin, val.bin, test.bin and meta.json exactly as prepare_pg19.py writes them. A dataset
-already in --out is kept (the run stops at once, naming it) unless --overwrite.
+already in --out, or any of these files or raw/, is kept (the run stops at once, naming it) unless
+--overwrite; even then, no file in raw/ but a build's own documents and metadata.csv is ever deleted.
 """
 import argparse
 import gzip
@@ -33,14 +34,18 @@ import os
 import shutil
 import sys
 import tarfile
+import tempfile
 import time
 
-from prepare_pg19 import _print, get_tokenizer, prepare, refuse_existing
+from prepare_pg19 import _print, get_tokenizer, missing_top, prepare, refuse_existing, remove_made, unwritable
 
 EXCLUDED = ("arch", "tools", "scripts", "samples", "Documentation", "usr", "drivers/gpu/drm/amd/include")
 MAX_FILE = 256 * 1024       # bytes: larger files are generated tables, not code one reads
 DOC_CAP = 2 * 1024 * 1024   # characters: no file is added once a document has passed this
 DOC_MIN = 200 * 1024        # characters: shorter documents are dropped (nothing far to refer to)
+SPLIT_DIRS = ("train", "validation", "test")
+HEADER = "_id,directory"    # of the metadata.csv a build writes: what marks a raw/ folder as one
+OUTPUTS = ("train.bin", "val.bin", "test.bin", "meta.json", "raw")  # what a run writes in --out
 
 
 def split_of(d):
@@ -134,12 +139,46 @@ def document(d, files):
     return "\n".join(parts) if n >= DOC_MIN else None
 
 
+def owned(raw_dir):
+    """What a build wrote in raw_dir (the documents its metadata.csv lists, that file, their folders, raw_dir;
+    deepest first), or a one-line ValueError if raw_dir holds anything else: no run deletes what it did not write."""
+    if os.path.islink(raw_dir) or (os.path.lexists(raw_dir) and not os.path.isdir(raw_dir)):
+        others = [raw_dir]
+    else:
+        try:
+            with open(os.path.join(raw_dir, "metadata.csv"), encoding="utf-8") as f:
+                rows = f.read().splitlines()
+        except OSError:  # none: nothing there is a build's
+            rows = []
+        docs = {r.split(",")[0] + ".txt" for r in rows[1:]} if rows[:1] == [HEADER] else set()
+        ours, others = [], []
+        for root, dirs, files in os.walk(raw_dir, topdown=False):
+            rel = os.path.relpath(root, raw_dir)
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:  # walk skips links
+                mine = (rel in SPLIT_DIRS and name in docs) or (rel == "." and name == "metadata.csv" and bool(docs))
+                (ours if mine else others).append(os.path.join(root, name))
+            (ours if rel in (".", *SPLIT_DIRS) else others).append(root)  # removed only once empty
+    if others:
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        raise ValueError(f"{raw_dir}, where the documents go, holds files prepare_code.py did not write "
+                         f"({', '.join(others[:3])}{more}): move them out of it, or pass another --out")
+    return ours
+
+
+def remove_build(raw_dir):
+    """Remove what a build wrote in raw_dir, or nothing at all (owned's ValueError)."""
+    for path in owned(raw_dir):
+        (os.rmdir if os.path.isdir(path) else os.remove)(path)
+
+
 def build(source, raw_dir, log=_print):
     """Write the documents of source under raw_dir in PG19's layout -> {split: count} (reserved too).
-    Written beside and swapped in whole: raw_dir never mixes two builds."""
+    Written beside, in a folder of the build's own, and swapped in whole: raw_dir never mixes two builds,
+    and only what a build wrote there is replaced."""
+    owned(raw_dir)  # a user's file in raw_dir: refused now, not after reading the whole tree
     tree, counts = tree_files(source, log), {"train": 0, "validation": 0, "test": 0, "reserved": 0}
-    tmp = raw_dir.rstrip("/") + ".tmp"
-    rows = ["_id,directory"]
+    parent, work, tmp = os.path.dirname(os.path.abspath(raw_dir)), None, None
+    rows = [HEADER]
     try:
         for d in sorted(tree):
             text = document(d, tree[d])
@@ -150,8 +189,10 @@ def build(source, raw_dir, log=_print):
             if split is None:
                 continue
             if len(rows) == 1:  # the first document: a tree without one leaves no folder behind
-                shutil.rmtree(tmp, ignore_errors=True)
-                for s in ("train", "validation", "test"):
+                os.makedirs(parent, exist_ok=True)
+                work = tempfile.mkdtemp(prefix=".build-", dir=parent)  # no user's folder has its name
+                tmp = os.path.join(work, "raw")  # made by makedirs, not mkdtemp: the usual permissions
+                for s in SPLIT_DIRS:
                     os.makedirs(os.path.join(tmp, s))
             name = d.replace("/", "__")
             with open(os.path.join(tmp, split, name + ".txt"), "w", encoding="utf-8", newline="") as f:
@@ -162,11 +203,11 @@ def build(source, raw_dir, log=_print):
                              f"is it a Linux source tree?")
         with open(os.path.join(tmp, "metadata.csv"), "w", encoding="utf-8") as f:
             f.write("\n".join(rows) + "\n")
-    except BaseException:  # an error, Ctrl-C: no half-built copy left beside raw_dir
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(raw_dir, ignore_errors=True)
-    os.replace(tmp, raw_dir)
+        remove_build(raw_dir)
+        os.replace(tmp, raw_dir)
+    finally:  # an error, Ctrl-C: no half-built copy left beside raw_dir
+        if work:
+            shutil.rmtree(work, ignore_errors=True)
     log("documents: " + ", ".join(f"{s} {n}" for s, n in counts.items()) + f" -> {raw_dir}")
     return counts
 
@@ -189,11 +230,16 @@ def main(argv=None):
         raise SystemExit(f"prepare_code.py: error: --max_books={args.max_books}: give a positive number, or leave it out")
     if args.train_every < 1:
         raise SystemExit(f"prepare_code.py: error: --train_every={args.train_every}: give a positive number")
-    t0, raw = time.time(), os.path.join(args.out, "raw")
+    if args.num_proc is not None and args.num_proc < 1:
+        raise SystemExit(f"prepare_code.py: error: --num_proc={args.num_proc}: must be >= 1")
+    t0, raw, meta = time.time(), os.path.join(args.out, "raw"), None
+    top, fresh = missing_top(args.out), not os.path.lexists(raw)  # what this run makes, and a failed one removes
     try:
         if not args.overwrite:
-            refuse_existing(args.out)  # before build replaces raw/
+            refuse_existing(args.out, OUTPUTS)  # before build replaces raw/
         get_tokenizer(args.tokenizer_file)  # and before it reads a whole tree
+        if why := unwritable(args.out):
+            raise ValueError(f"output folder {why}: pass --out to a writable folder")
         build(args.source, raw)
         meta = prepare(raw, args.out, num_proc=args.num_proc, ranks_file=args.tokenizer_file, max_books=args.max_books,
                        train_every=args.train_every)
@@ -202,6 +248,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(f"prepare_code.py: interrupted: {args.out} keeps the dataset it had", file=sys.stderr)
         raise SystemExit(130)
+    finally:
+        if meta is None:  # failed: the raw/ and --out this run made go, a user's files stay
+            try:
+                if fresh:
+                    remove_build(raw)
+            except (OSError, ValueError):
+                pass
+            remove_made(args.out, top)
     counts = ", ".join(f"{s} {m['tokens']:,}" for s, m in meta["splits"].items())
     _print(f"done in {time.time() - t0:.1f}s: {counts} tokens -> {args.out}")
 

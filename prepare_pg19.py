@@ -16,9 +16,10 @@ metadata.csv (id,title,year,url; the real one has no header row).
 so a download fetches those books and lists only the first page(s). Reruns
 are cheap: files already downloaded whole are skipped.
 
-A dataset already in --out (its meta.json) is kept: a run over it stops at
-once, naming what is there; --overwrite replaces it (with --splits, those
-splits alone).
+A dataset already in --out (its meta.json), or any file a run would write
+there (a train.bin of your own), is kept: a run over it stops at once, naming
+what is there; --overwrite replaces it (with --splits, those splits alone).
+An empty (or whitespace-only) book is skipped, and said so.
 
 Output in --out: train.bin, val.bin, test.bin (uint16 GPT-2 ids, each book
 followed by <|endoftext|> = 50256) and meta.json: per split ("train", "val",
@@ -26,9 +27,10 @@ followed by <|endoftext|> = 50256) and meta.json: per split ("train", "val",
 [book_id, start, n_tokens], plus titles from metadata.csv. meta.json being
 there is what marks the output complete. Nothing is lost on a failed run:
 every book is read and UTF-8-checked before anything is written, the new
-files are written under temporary names, and the previous dataset is replaced
-only when the new one is whole (meta.json removed, .bin files renamed into
-place, new meta.json written last).
+files are written in a temporary folder of the run's own, and the previous
+dataset is replaced only when the new one is whole (meta.json removed, .bin
+files renamed into place, new meta.json written last); an --out folder the
+run made is removed again.
 """
 import argparse
 import csv
@@ -38,6 +40,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -175,30 +178,33 @@ def read_titles(source):
     return {r[0]: r[1] for r in rows if r[0] != "_id"}  # the sample's header row ("_id,...") is no book
 
 def _check_book(path):
-    """(bytes read, None) if the book is readable UTF-8, else (bytes read, what is wrong)."""
+    """(path, bytes read, what is wrong or None, whether it is blank: empty or whitespace only)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        return 0, f"cannot read {path}: {e}"
+        return path, 0, f"cannot read {path}: {e}", False
     try:
-        data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        return len(data), f"{path} is not valid UTF-8 ({e})"
-    return len(data), None
+        return path, len(data), f"{path} is not valid UTF-8 ({e})", False
+    return path, len(data), None, not text.strip()
 
 def check_books(paths, pool, log=_print):
     """Read and UTF-8-decode every book, in the workers, before anything is
     written: a bad book in test/ must not be found after hours of tokenizing
-    train/. Costs one read and decode of the text, no tokenizing."""
+    train/. Costs one read and decode of the text, no tokenizing. Returns the
+    set of blank books (empty or whitespace only)."""
     total_mb = sum(os.path.getsize(p) for p in paths) / 1e6
     results = pool.imap_unordered(_check_book, paths) if pool else map(_check_book, paths)
-    bad, done_mb = [], 0.0
+    bad, blank, done_mb = [], set(), 0.0
     t0 = last = time.time()
-    for i, (n_bytes, err) in enumerate(results, 1):
+    for i, (path, n_bytes, err, is_blank) in enumerate(results, 1):
         done_mb += n_bytes / 1e6
         if err:
             bad.append(err)
+        if is_blank:
+            blank.add(path)
         if time.time() - last > 1 or i == len(paths):
             last, dt = time.time(), time.time() - t0
             rate = done_mb / max(dt, 1e-9)
@@ -209,6 +215,7 @@ def check_books(paths, pool, log=_print):
         more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise ValueError(f"{len(bad)} of {len(paths)} books cannot be used: {'; '.join(bad[:3])}{more}. "
                          f"Fix or remove the bad books and rerun; nothing was written")
+    return blank
 
 _enc = None  # the tokenizer of this (worker) process
 
@@ -260,20 +267,53 @@ def split_said(name, m):
     books = f" in {m['books']:,} book" + "s" * (m["books"] != 1) if "books" in m else ""
     return f"{name} {m['tokens']:,} tokens{books}" if "tokens" in m else name
 
-def refuse_existing(out_dir):
+def refuse_existing(out_dir, names):
     """A ValueError, in one line that says what out_dir holds, if it holds a prepared dataset (a meta.json,
-    readable or not): main calls it before any work, unless --overwrite."""
+    readable or not) or any other of names (what the run would write: a user's train.bin is kept as well),
+    or if it is a file: main calls it before any work, unless --overwrite."""
+    try:
+        present = os.listdir(out_dir)
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        what = "is a file, not a folder" if os.path.exists(out_dir) else "is inside a file"
+        raise ValueError(f"output folder {out_dir} {what}: pass --out a folder") from None
     meta = read_meta(out_dir, f"pass --overwrite to replace the dataset in {out_dir}, or another --out")
     if meta is not None:
         held = ", ".join(split_said(name, m) for name, m in meta["splits"].items()) or "no splits"
         raise ValueError(f"{out_dir} already holds a dataset ({held}, by its meta.json): pass --overwrite to "
                          f"replace it, or another --out")
+    if there := [n for n in names if n in present]:
+        raise ValueError(f"{out_dir} already holds {', '.join(there)}, not a finished dataset (no meta.json): pass "
+                         f"--overwrite to replace {'it' if len(there) == 1 else 'them'}, or another --out")
 
-def swap_in(meta, meta_path, bins):
-    """Put a finished run in place: meta written under a temporary name, then meta.json out first,
-    the new .bin files over the old ones (bins: {temporary path: final path}), meta.json in last,
+def missing_top(folder):
+    """The outermost folder of folder's path that does not exist yet, None if folder exists: what this run
+    makes, and a failed run removes again."""
+    folder, top = os.path.abspath(folder), None
+    while not os.path.lexists(folder):
+        folder, top = os.path.dirname(folder), folder
+    return top
+
+def remove_made(folder, top):
+    """After a failed run: remove folder and the folders above it up to top (missing_top before the run), as
+    long as they are empty, so that "nothing was written" holds; a file anyone put there stays."""
+    folder = os.path.abspath(folder)
+    while top:
+        try:
+            os.rmdir(folder)  # only ever an empty folder
+        except OSError:
+            return
+        if folder == top:
+            return
+        folder = os.path.dirname(folder)
+
+def swap_in(meta, meta_path, bins, work):
+    """Put a finished run in place: meta written in the run's own temporary folder work, then meta.json out
+    first, the new .bin files over the old ones (bins: {temporary path: final path}), meta.json in last,
     so that no meta.json ever describes .bin files of another run."""
-    with open(meta_path + ".tmp", "w") as f:
+    tmp_meta = os.path.join(work, "meta.json")
+    with open(tmp_meta, "w") as f:
         json.dump(meta, f)
         f.flush()
         os.fsync(f.fileno())
@@ -281,7 +321,7 @@ def swap_in(meta, meta_path, bins):
         os.remove(meta_path)
     for tmp, final in bins.items():
         os.replace(tmp, final)
-    os.replace(meta_path + ".tmp", meta_path)
+    os.replace(tmp_meta, meta_path)
 
 def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=None, log=_print, max_books=None,
             train_every=1):
@@ -289,8 +329,9 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     split; of train, every train_every-th of those in id order) into
     <out_dir>/{train,val,test}.bin and meta.json. Returns the meta
     dict. A dataset already in out_dir is left as it was unless this run
-    completes: the new files are written under temporary names and swapped in
-    at the end."""
+    completes: the new files are written in a temporary folder of its own and
+    swapped in at the end. Blank books (empty, whitespace only) are skipped.
+    A failed run removes the out_dir it made."""
     if not os.path.isdir(source):
         raise FileNotFoundError(f"source folder {source} not found: pass --source with a PG19 copy "
                                 f"(train/ validation/ test/), or leave it out to download PG19")
@@ -304,20 +345,31 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
     books = {s: list_books(source, s, max_books) for s in splits}  # every split before any real work
     if "train" in books:
         books["train"] = books["train"][::train_every]
-    if why := unwritable(out_dir):
-        raise ValueError(f"output folder {why}: pass --out to a writable folder")
     ranks_file = ranks_file or os.environ.get("DRT_GPT2_RANKS")
     _init_worker(ranks_file)  # fail fast on a tokenizer problem, before starting workers
+    top = missing_top(out_dir)
+    if why := unwritable(out_dir):
+        raise ValueError(f"output folder {why}: pass --out to a writable folder")
     meta_path = os.path.join(out_dir, "meta.json")
     try:
         old = read_meta(out_dir) or {}
     except ValueError:  # unreadable: this run starts afresh (main refuses it without --overwrite)
         old = {}
-    tmp = {s: os.path.join(out_dir, SPLITS[s] + ".bin.tmp") for s in splits}
+    work, done, pool = tempfile.mkdtemp(prefix=".prepare-", dir=out_dir), False, None  # no user's file has its name
+    tmp = {s: os.path.join(work, SPLITS[s] + ".bin") for s in splits}
     num_proc = num_proc or min(8, os.cpu_count() or 1)
-    pool = mp.Pool(num_proc, initializer=_init_worker, initargs=(ranks_file, True)) if num_proc > 1 else None
     try:
-        check_books([p for s in splits for _, p in books[s]], pool, log)
+        pool = mp.Pool(num_proc, initializer=_init_worker, initargs=(ranks_file, True)) if num_proc > 1 else None
+        blank = check_books([p for s in splits for _, p in books[s]], pool, log)
+        for s in splits:  # a blank book would be an <|endoftext|> alone: nothing to learn or score
+            for _, p in books[s]:
+                if p in blank:
+                    log(f"{s}: skipped {p}: empty or whitespace only")
+            books[s] = [b for b in books[s] if b[1] not in blank]
+            if not books[s]:
+                raise ValueError(f"split folder {os.path.join(source, s)}: every book is empty or whitespace "
+                                 f"only, so the split would have no text: add books, or leave the split out "
+                                 f"(--splits); nothing was written")
         new = {}
         for s in splits:
             t0 = time.time()
@@ -332,13 +384,14 @@ def prepare(source, out_dir, splits=tuple(SPLITS), num_proc=None, ranks_file=Non
         meta = {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB, "eot": EOT, "dtype": "uint16",
                 "source": os.path.abspath(source), "splits": {**kept, **new},
                 "titles": {i: t for i, t in titles.items() if i in ids}}
-        swap_in(meta, meta_path, {tmp[s]: os.path.join(out_dir, SPLITS[s] + ".bin") for s in splits})
+        swap_in(meta, meta_path, {tmp[s]: os.path.join(out_dir, SPLITS[s] + ".bin") for s in splits}, work)
+        done = True
     finally:
         if pool:
             pool.terminate()  # also stops workers still busy after an error
-        for p in [*tmp.values(), meta_path + ".tmp"]:  # a failed run leaves no temp files
-            if os.path.exists(p):
-                os.remove(p)
+        shutil.rmtree(work, ignore_errors=True)  # a failed run leaves no temp files
+        if not done:
+            remove_made(out_dir, top)
     log(f"wrote {', '.join(m['file'] for m in new.values())} and meta.json to {out_dir}")
     return meta
 
@@ -372,7 +425,7 @@ def main(argv=None):
     t0 = time.time()
     try:
         if not args.overwrite:
-            refuse_existing(args.out)  # before any download or tokenizing
+            refuse_existing(args.out, [SPLITS[s] + ".bin" for s in splits] + ["meta.json"])  # before any work
         get_tokenizer(args.tokenizer_file)  # before a long download, not after
         source = args.source
         if source is None:

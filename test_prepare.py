@@ -86,6 +86,21 @@ def test_readme_setup():
     assert "--source /path/to/pg19 --out data/pg19 --max_books=20" in readme
 
 
+def test_gitignore_readme_leftovers():
+    """What the README's commands leave in the checkout is ignored: the Linux source package and the tree
+    unpacked from it (prepare_code.py), the plots of evaluate.py."""
+    import shutil
+    import subprocess
+    if not shutil.which("git") or not os.path.exists(os.path.join(HERE, ".git")):
+        pytest.skip("needs git and a git checkout")
+    paths = ["linux/usr/src/linux-source-6.12.tar.xz", "linux-source-6.12_6.12.118-1_all.deb", "ppl.png", "picks.png"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=HERE, capture_output=True, text=True)
+    assert r.stdout.split() == paths
+    r = subprocess.run(["git", "check-ignore", "--no-index", "assets/drt.png", "model.py"], cwd=HERE,
+                       capture_output=True, text=True)
+    assert r.stdout == ""
+
+
 def test_prepare_fmt_time():
     got = [common.fmt_time(s) for s in (0, 59.9, 61, 3600, 3725)]  # the ETAs of prepare_pg19.py and train.py
     assert got == ["0m00s", "0m59s", "1m01s", "1h00m", "1h02m"]
@@ -107,7 +122,7 @@ def test_prepare_tiny_layout(tmp_path, monkeypatch):
     enc = tokenizer_or_skip(monkeypatch)
     books = {
         "train": {10: "Chapter I.\n\nCall me Ishmael. " * 50, 9: "Short book.\r\nWith CRLF.\r\n",
-                  123: "Ünïcødé — “quotes” and <|endoftext|> as plain text.\n", 7: ""},
+                  123: "Ünïcødé — “quotes” and <|endoftext|> as plain text.\n", 7: "Seven."},
         "validation": {5: "The valid book.\n" * 20},
         "test": {3: "The test book; the end.\n"},
     }
@@ -224,6 +239,112 @@ def test_prepare_errors(tmp_path, monkeypatch):
 
     with pytest.raises(SystemExit, match="no_such_dir"):  # the CLI turns errors into one clear line
         prepare_pg19.main(["--source", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "out")])
+
+
+def test_prepare_skips_blank_books(tmp_path, monkeypatch):
+    """An empty or whitespace-only book is skipped, with a line that says so (tokenized, it would be an
+    <|endoftext|> alone); a split of nothing else is refused, before anything is written."""
+    enc = tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {1: "Some text.", 2: "", 3: " \n\t\r\n"}, "validation": {4: ""}, "test": {5: "The end."}})
+    with pytest.raises(SystemExit) as e:
+        prepare_pg19.main(["--source", str(src), "--out", str(out), "--num_proc=1"])
+    assert str(e.value) == (f"prepare_pg19.py: error: split folder {src / 'validation'}: every book is empty or "
+                            f"whitespace only, so the split would have no text: add books, or leave the split out "
+                            f"(--splits); nothing was written")
+    assert not out.exists()
+    (src / "validation" / "6.txt").write_text("Valid.")
+    lines = []
+    meta = prepare_pg19.prepare(str(src), str(out), num_proc=2, log=lines.append)
+    skipped = [line for line in lines if "skipped" in line]
+    assert skipped == [f"train: skipped {src / 'train' / '2.txt'}: empty or whitespace only",
+                       f"train: skipped {src / 'train' / '3.txt'}: empty or whitespace only",
+                       f"validation: skipped {src / 'validation' / '4.txt'}: empty or whitespace only"]
+    assert {n: [b for b, _, _ in m["offsets"]] for n, m in meta["splits"].items()} == {"train": [1], "val": [6], "test": [5]}
+    val = np.fromfile(out / "val.bin", dtype=np.uint16).tolist()
+    assert val == enc.encode_ordinary("Valid.") + [50256] and meta["splits"]["val"]["tokens"] == len(val) > 1
+
+
+def test_prepare_keeps_files_it_would_write(tmp_path, monkeypatch):
+    """Files of the user's in --out under the names a run writes (train.bin, val.bin without a meta.json: no
+    finished dataset) are kept: the run stops at once, naming them, and --overwrite replaces them. With --splits,
+    the other splits' files are not the run's to refuse or touch; a file of any other name is never touched (the
+    run's temporary files have names of their own)."""
+    tokenizer_or_skip(monkeypatch)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_books(src, {"train": {1: "Train book. " * 20}, "validation": {2: "Valid."}, "test": {3: "Test."}})
+    out.mkdir()
+    mine = {"train.bin": b"my own tokens", "val.bin": b"mine too", "notes": b"n"}
+    others = {f"{n}.tmp": b"t" for n in ("train.bin", "val.bin", "test.bin", "meta.json")}
+    for name, data in {**mine, **others}.items():
+        (out / name).write_bytes(data)
+    argv = ["--source", str(src), "--out", str(out), "--num_proc=1"]
+    with pytest.raises(SystemExit) as e:
+        prepare_pg19.main(argv)
+    assert str(e.value) == (f"prepare_pg19.py: error: {out} already holds train.bin, val.bin, not a finished dataset "
+                            f"(no meta.json): pass --overwrite to replace them, or another --out")
+    with pytest.raises(SystemExit, match=r"holds val\.bin, not a finished dataset .*: pass --overwrite to replace it,"):
+        prepare_pg19.main([*argv, "--splits=validation,test"])
+    assert _files(out) == {**mine, **others}
+    prepare_pg19.main([*argv, "--splits=test"])  # test.bin and meta.json: no file of the user's
+    after = _files(out)
+    assert sorted(after) == sorted([*mine, *others, "test.bin", "meta.json"])
+    assert {n: after[n] for n in [*mine, *others]} == {**mine, **others}
+    prepare_pg19.main([*argv, "--overwrite"])
+    after = _files(out)
+    assert after["train.bin"] != mine["train.bin"] and after["val.bin"] != mine["val.bin"]
+    assert sorted(after) == sorted([*mine, *others, "test.bin", "meta.json"])
+    assert {n: after[n] for n in ["notes", *others]} == {"notes": b"n", **others}
+
+
+def test_prepare_out_is_a_file(tmp_path, monkeypatch):
+    """--out naming a file, or a path inside one, is refused as that, by both scripts, with or without
+    --overwrite (there is no dataset to replace), and the file is left as it was."""
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    src = tmp_path / "src"
+    _write_books(src, {"train": {1: "a"}, "validation": {2: "b"}, "test": {3: "c"}})
+    (tmp_path / "a_file").write_text("mine")
+    for script, name in ((prepare_pg19, "prepare_pg19.py"), (pc, "prepare_code.py")):
+        for out, what in (("a_file", "is a file"), ("a_file/out", "inside")):
+            for extra in ([], ["--overwrite"]):
+                with pytest.raises(SystemExit) as e:
+                    script.main(["--source", str(src), "--out", str(tmp_path / out), "--num_proc=1", *extra])
+                msg = str(e.value)
+                assert msg.startswith(f"{name}: error: output folder {tmp_path / out} ") and what in msg, msg
+                assert "pass --out" in msg and "--overwrite" not in msg and "\n" not in msg, msg
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_prepare_failed_run_leaves_no_folder(tmp_path, monkeypatch):
+    """A failed run that says nothing was written leaves nothing: the --out folders it made go again (parents
+    too), a folder that was there stays, and so does a file anyone put in one."""
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    src = tmp_path / "src"
+    _write_books(src, {"train": {1: "fine"}, "validation": {2: b"\xff bad"}, "test": {3: "fine"}})
+    with pytest.raises(SystemExit, match="nothing was written"):
+        prepare_pg19.main(["--source", str(src), "--out", str(tmp_path / "new" / "out"), "--num_proc=1"])
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    (tmp_path / "there").mkdir()
+    with pytest.raises(ValueError, match="nothing was written"):
+        prepare_pg19.prepare(str(src), str(tmp_path / "there" / "out"), num_proc=2, log=lambda s: None)
+    assert os.listdir(tmp_path / "there") == []
+
+    # prepare_code.py, failing after its build: the raw/ it built goes too, and the --out it made
+    _code_tree(tmp_path / "tree")
+
+    def fails(source, out_dir, **kw):
+        assert sorted(os.listdir(out_dir)) == ["raw"]
+        if os.path.basename(out_dir) == "user":
+            (Path(out_dir) / "mine.txt").write_text("added during the run")
+        raise ValueError("tokenizing failed")
+    monkeypatch.setattr(pc, "prepare", fails)
+    for out in (tmp_path / "new2" / "code", tmp_path / "there" / "code", tmp_path / "user"):
+        with pytest.raises(SystemExit, match="tokenizing failed"):
+            pc.main(["--source", str(tmp_path / "tree"), "--out", str(out)])
+    assert sorted(os.listdir(tmp_path)) == ["src", "there", "tree", "user"]
+    assert os.listdir(tmp_path / "there") == [] and os.listdir(tmp_path / "user") == ["mine.txt"]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
@@ -579,6 +700,56 @@ def test_code_corpus_errors(tmp_path, monkeypatch):
     assert "no directory holds" in error(tmp_path / "docs", "--overwrite")  # past the check, to the build's error
     assert "nothing.tiktoken" in error(tmp_path / "linux.tar.xz", "--overwrite", f"--tokenizer_file={tmp_path / 'nothing.tiktoken'}")
     assert _files(out) == before  # the tokenizer is checked before the tree is read and raw/ replaced
+
+
+def test_code_corpus_keeps_user_files(tmp_path, monkeypatch):
+    """prepare_code.py deletes nothing it did not write: a raw/ (or train.bin) of the user's in --out stops the run at
+    once; with --overwrite a file of the user's in raw/ stops it too, before the tree is read; a folder beside raw/
+    is never touched, whatever its name; a build's own raw/ is replaced."""
+    import prepare_code as pc
+    tokenizer_or_skip(monkeypatch)
+    _code_tree(tmp_path / "tree")
+    out = tmp_path / "mine2"
+    (out / "raw").mkdir(parents=True)
+    (out / "raw" / "notes.txt").write_text("my notes")
+    (out / "raw.tmp").mkdir()
+    (out / "raw.tmp" / "keep.txt").write_text("keep")
+
+    def files():
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def run(*extra):
+        pc.main(["--source", str(tmp_path / "tree"), "--out", str(out), "--num_proc=1", "--max_books=1", *extra])
+    with pytest.raises(SystemExit) as e:
+        run()
+    assert str(e.value) == (f"prepare_code.py: error: {out} already holds raw, not a finished dataset (no meta.json): "
+                            f"pass --overwrite to replace it, or another --out")
+    read = pc.tree_files
+    monkeypatch.setattr(pc, "tree_files", lambda *a: pytest.fail("read the tree"))
+    with pytest.raises(SystemExit) as e:
+        run("--overwrite")
+    assert str(e.value) == (f"prepare_code.py: error: {out / 'raw'}, where the documents go, holds files prepare_code.py "
+                            f"did not write ({out / 'raw' / 'notes.txt'}): move them out of it, or pass another --out")
+    assert files() == {"raw/notes.txt": b"my notes", "raw.tmp/keep.txt": b"keep"}
+    monkeypatch.setattr(pc, "tree_files", read)
+    (out / "raw" / "notes.txt").rename(tmp_path / "notes.txt")
+    run("--overwrite")
+    built = files()
+    assert built["raw.tmp/keep.txt"] == b"keep" and "meta.json" in built and "raw/metadata.csv" in built
+    (out / "raw" / "train" / "mine.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=re.escape(f"did not write ({out / 'raw' / 'train' / 'mine.txt'})")):
+        run("--overwrite")
+    assert files() == {**built, "raw/train/mine.txt": b"mine"}
+    (out / "raw" / "train" / "mine.txt").unlink()
+    run("--overwrite")  # over a build's own raw/: replaced
+    assert files() == built and sorted(os.listdir(out)) == ["meta.json", "raw", "raw.tmp", "test.bin", "train.bin", "val.bin"]
+
+
+def test_code_corpus_num_proc(tmp_path):
+    import prepare_code as pc
+    for flag in ("--num_proc=0", "--num_proc=-3"):  # as prepare_pg19.py refuses them
+        with pytest.raises(SystemExit, match=rf"^prepare_code.py: error: {flag}: must be >= 1$"):
+            pc.main(["--source", str(tmp_path / "linux.tar.xz"), "--out", str(tmp_path / "out"), flag])
 
 
 def test_code_corpus_train_every(tmp_path, monkeypatch):
