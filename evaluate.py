@@ -336,8 +336,15 @@ def check_args(args):
          "--inspect --plot draws one retrieval mode: give one --retrieval")]:
         if bad:
             error(msg)
-    if args.plot:
-        pyplot()  # a missing matplotlib says so now, not after the model has run
+    if args.plot:  # a missing matplotlib or a format it cannot write says so now, not after the model has run
+        pyplot()
+        from matplotlib.backend_bases import FigureCanvasBase
+        formats = FigureCanvasBase.get_supported_filetypes()  # {extension: what it is}
+        if not (ext := os.path.splitext(args.plot)[1][1:].lower()):  # savefig's rule: no extension, a PNG
+            args.plot = args.plot.rstrip(".") + ".png"  # the name it writes, and that "wrote" prints
+        elif ext not in formats:
+            error(f"--plot={args.plot}: matplotlib cannot write .{ext} files: end the name in .png, or another "
+                  f"of its formats ({', '.join(f for f in formats if f != 'png')})")
         if why := common.unwritable(os.path.dirname(os.path.abspath(args.plot))):
             error(f"--plot={args.plot}: {why}")
 

@@ -211,8 +211,8 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
 
 
 def test_plots(tmp_path, monkeypatch, capsys):
-    """--plot: --ppl's curves and --inspect's picks as PNG files; without matplotlib, one line before the
-    model loads."""
+    """--plot: --ppl's curves and --inspect's picks as PNG files (a name without an extension gets .png, and
+    is printed so); without matplotlib, one line before the model loads."""
     import evaluate
     tokenizer_or_skip(monkeypatch)
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1))
@@ -226,15 +226,16 @@ def test_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
     evaluate.main([*run, "--ppl", "--retrieval=learned,none", f"--plot={tmp_path / 'ppl.png'}"])
-    evaluate.main([*run, "--inspect", "--at=2500", f"--plot={tmp_path / 'picks.png'}"])
+    evaluate.main([*run, "--inspect", "--at=2500", f"--plot={tmp_path / 'picks'}"])  # no extension: a PNG, so named
     out = capsys.readouterr().out
+    assert not (tmp_path / "picks").exists()
     for name in ("ppl.png", "picks.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {tmp_path / name}" in out
 
 
 def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
     """Every bad argument is one line before the model runs: a --plot into a folder that cannot be made or
-    written (not after minutes of evaluation), --ppl and --inspect together, --doc without --inspect or naming
+    written, or in a format matplotlib cannot write (not after minutes of evaluation), --ppl and --inspect together, --doc without --inspect or naming
     no document, a .bin cut short or of odd size (train.py's check); --doc picks --inspect's document by name
     or index, and --inspect --plot's title names it."""
     import evaluate
@@ -254,6 +255,8 @@ def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "doc_nll", lambda *a, **k: ran.append(1))
     for argv, message in [
         (["--ppl", f"--plot={tmp_path / 't.bin'}/x.png"], r"--plot=.*t.bin/x.png: .*t.bin is a file"),
+        (["--ppl", f"--plot={tmp_path / 'x.txt'}"], r"--plot=.*x.txt: matplotlib cannot write .txt files: end the "
+                                                   r"name in .png, or another of its formats \(.*pdf.*svg"),
         (["--ppl", "--inspect"], r"give one of --ppl, --inspect, --copying"),
         (["--ppl", "--doc=730"], r"--doc chooses --inspect's document: --ppl reads them all"),
         (["--inspect", "--doc=999"], r"--doc=999: .*t.bin has no document of that name, and 2 by index \(0-1\): "
