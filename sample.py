@@ -15,6 +15,7 @@ the picks and in-context copying: evaluate.py.
 """
 
 import argparse
+import codecs
 import dataclasses
 import os
 import random
@@ -89,9 +90,10 @@ def as_batch(model, ids):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384, emit=None):
     """Continue idx (B, T) by max_new_tokens through a stream (§3.2): the prompt prefilled in segments of
-    prefill_segment tokens, then one token per step -> (B, max_new_tokens) new ids."""
+    prefill_segment tokens, then one token per step -> (B, max_new_tokens) new ids; emit: called with each
+    new token (B, 1) as it is drawn."""
     state = state if state is not None else model.new_state()
     for s in range(0, idx.size(1), prefill_segment):
         logits, _ = model(idx[:, s : s + prefill_segment], state=state)
@@ -107,18 +109,24 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None
                 logits[logits < v[:, [-1]]] = float("-inf")
             nxt = torch.multinomial(F.softmax(logits, -1), 1)
         out.append(nxt)
+        emit and emit(nxt)
         logits, _ = model(nxt, state=state)
     return torch.cat(out, 1)
 
 
 def print_samples(model, enc, prompt, args, ctx):
-    """Print --num_samples continuations, each after the prompt's last 500 characters."""
+    """Print --num_samples continuations, each after the prompt's last 500 characters, streamed as generated: each
+    token's bytes through an incremental UTF-8 decoder (a character split across tokens shows once whole), which
+    gives enc.decode's text."""
     x = as_batch(model, enc.encode_ordinary(prompt) or [enc.eot_token])  # (1, T)
     for _ in range(args.num_samples):
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as enc.decode
+        print(prompt[-500:], end="", flush=True)
         with ctx:
-            y = generate(model, x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
-                         state=model.new_state(offload=args.offload), prefill_segment=args.segment)
-        print(prompt[-500:] + enc.decode(y[0].tolist()))
+            generate(model, x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
+                     state=model.new_state(offload=args.offload), prefill_segment=args.segment,
+                     emit=lambda t: print(utf8.decode(enc.decode_single_token_bytes(t.item())), end="", flush=True))
+        print(utf8.decode(b"", final=True))
         print("-" * 40, flush=True)
 
 

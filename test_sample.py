@@ -5,6 +5,7 @@ scoring, the test table and its columns, generation, and every argument and file
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -615,6 +616,52 @@ def test_sample_top_k_zero_is_off(tmp_path, monkeypatch):
     sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Hi", "--max_new_tokens=3", "--top_k=0",
                  "--device=cpu"])
     assert seen == [None]  # sample among all tokens
+
+
+def test_sample_streams_text(tmp_path, monkeypatch):
+    """Generation prints its text as it goes (a long --max_new_tokens is not minutes of silence), and in the
+    end the same text as before: the prompt's tail, the decoded tokens, a rule."""
+    import io
+
+    import sample
+    enc = tokenizer_or_skip(monkeypatch)
+    out, seen, made, generate = io.StringIO(), [], [], sample.generate
+    monkeypatch.setattr(sys, "stdout", out)
+    build = sample.build_model
+
+    def hooked(*a):  # the printed length at every step of the model
+        model = build(*a)
+        model.register_forward_hook(lambda *_: seen.append(len(out.getvalue())))
+        return model
+    monkeypatch.setattr(sample, "build_model", hooked)
+    monkeypatch.setattr(sample, "generate", lambda *a, **kw: made.append(generate(*a, **kw)) or made[-1])
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Once upon a time", "--max_new_tokens=12",
+                 "--temperature=0", "--device=cpu"])
+    text = out.getvalue().split("\n", 1)[1]  # after the "loaded" line
+    assert text == "Once upon a time" + enc.decode(made[0][0].tolist()) + "\n" + "-" * 40 + "\n"
+    assert len(set(seen[1:])) >= 6, seen  # the text grew while the tokens were drawn, not once at the end
+
+
+def test_sample_streams_whole_characters(tmp_path, monkeypatch):
+    """Characters whose UTF-8 bytes GPT-2 splits across tokens are printed once whole, never as
+    replacement characters along the way."""
+    import io
+
+    import sample
+    enc = tokenizer_or_skip(monkeypatch)
+    ids = enc.encode_ordinary("naïve 日本語 ☃ café 🙂!")  # 日本語 and ☃: 9 tokens, none a whole character
+    out, seen = io.StringIO(), []
+    monkeypatch.setattr(sys, "stdout", out)
+
+    def generate(model, x, n, *a, emit=None, **kw):
+        for t in ids:
+            emit(torch.tensor([[t]]))
+            seen.append(out.getvalue())
+        return torch.tensor([ids])
+    monkeypatch.setattr(sample, "generate", generate)
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Hi", "--device=cpu"])
+    assert out.getvalue().endswith("\nHinaïve 日本語 ☃ café 🙂!\n" + "-" * 40 + "\n")
+    assert not any("\ufffd" in o for o in seen) and [o.count("日") for o in seen].index(1) == 4, seen
 
 
 @pytest.mark.parametrize("kind", ["text", "empty", "half", "tensor"])
