@@ -341,14 +341,19 @@ def check_args(args):
 
 
 def load_haystack(path, enc):
-    """The --haystack text, read once for every test, or a one-line ValueError."""
+    """The --haystack text, read once for every test, or a one-line ValueError; a .bin cut short, of odd size or
+    of another vocabulary is refused as train.py and evaluate.py --docs refuse it (common.check_bin)."""
+    fix = "give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for the synthetic filler"
     try:
+        if path.endswith(".bin") and os.path.isfile(path):
+            common.check_bin(path, fix=fix)
         return Haystack(path, enc)
     except (OSError, ValueError) as e:  # missing, empty or unreadable
         why = str(e).rstrip(".")
+        if why.endswith(fix):  # check_bin's, which begins with the path
+            raise ValueError(f"--haystack {why}") from None
         why = why if why.startswith("--haystack") else f"--haystack {path}: {why}"  # numpy's or the OS's words
-        raise ValueError(f"{why}: give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack "
-                         f"for the synthetic filler") from None
+        raise ValueError(f"{why}: {fix}") from None
 
 
 def shared_args(p, seed_help):

@@ -235,9 +235,10 @@ def test_plots(tmp_path, monkeypatch, capsys):
 
 def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
     """Every bad argument is one line before the model runs: a --plot into a folder that cannot be made or
-    written, or in a format matplotlib cannot write (not after minutes of evaluation), --ppl and --inspect together, --doc without --inspect or naming
-    no document, a .bin cut short or of odd size (train.py's check); --doc picks --inspect's document by name
-    or index, and --inspect --plot's title names it."""
+    written, or in a format matplotlib cannot write (not after minutes of evaluation), --ppl and --inspect
+    together, --doc without --inspect or naming no document, a .bin cut short or of odd size (train.py's
+    check, for --docs and --haystack); --doc picks --inspect's document by name or index, and --inspect
+    --plot's title names it."""
     import evaluate
     tokenizer_or_skip(monkeypatch)
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", window=64)
@@ -265,6 +266,8 @@ def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
         (["--ppl", f"--docs={tmp_path / 'odd.bin'}"], r"--docs: .*odd.bin has 3 bytes, not a whole number of uint16"),
         (["--ppl", f"--docs={tmp_path / 'cut' / 't.bin'}"], r"--docs: .*t.bin has 1,000 bytes, 1,602 uint16 tokens by its "
                                                              r"meta.json: prepare it again, or pass another --docs"),
+        (["--copying", f"--haystack={tmp_path / 'cut' / 't.bin'}"], r"--haystack .*t.bin has 1,000 bytes, 1,602 uint16 "
+                                                                     r"tokens by its meta.json: give a folder of .txt"),
     ]:
         if "plot" in argv[-1]:
             pytest.importorskip("matplotlib")

@@ -537,7 +537,12 @@ BAD_SAMPLE_ARGS = [
     (["--dtype=float16"], r"--dtype=float16: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
     (["--tokenizer_file={tmp}/junk.tiktoken"], r"GPT-2 ranks file .*junk.tiktoken \(from --tokenizer_file or "
                                                 r"DRT_GPT2_RANKS\) is not a tiktoken ranks file"),
-    (["--passkey", "--haystack={tmp}/ids.bin"], r"--haystack .*ids.bin: token id 60000 is past GPT-2's 50257 ids"),
+    (["--passkey", "--haystack={tmp}/ids.bin"], r"--haystack .*ids.bin holds token id 60000, outside GPT-2's 50257 ids"),
+    # as train.py and evaluate.py --docs refuse them: a copy cut short (by its meta.json), an odd size
+    (["--passkey", "--lengths=300", "--samples_per_length=1", "--haystack={tmp}/cut/val.bin"],
+     r"--haystack .*val.bin has 4,000 bytes, 5,000 uint16 tokens by its meta.json: give a folder of .txt books"),
+    (["--passkey", "--lengths=300", "--samples_per_length=1", "--haystack={tmp}/odd.bin"],
+     r"--haystack .*odd.bin has 4,001 bytes, not a whole number of uint16 tokens: give a folder"),
 ]
 
 
@@ -549,6 +554,10 @@ def test_sample_bad_arguments(argv, message, tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "short.bin")
     np.arange(60001 - 5000, 60001, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    (tmp_path / "odd.bin").write_bytes(np.arange(2000, dtype=np.uint16).tobytes() + b"x")
+    (tmp_path / "cut").mkdir()  # 2,000 tokens of the 5,000 its meta.json lists
+    (tmp_path / "cut" / "meta.json").write_text('{"vocab_size": 50257, "splits": {"val": {"tokens": 5000}}}')
+    np.arange(2000, dtype=np.uint16).tofile(tmp_path / "cut" / "val.bin")
     (tmp_path / "junk.tiktoken").write_text("not a ranks file\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
