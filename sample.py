@@ -325,6 +325,8 @@ def check_args(args):
         (args.max_new_tokens < 1, f"--max_new_tokens={args.max_new_tokens}: must be >= 1"),
         (not args.temperature >= 0, f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)"),
         (args.top_k < 0, f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)"),
+        ("prompt" in args and (args.passkey or args.multikey or args.vartrack),
+         "--prompt: --passkey, --multikey and --vartrack make their own prompts: drop --prompt, or the test flags"),
         *shared_problems(args),
         (args.unseen_names and not args.multikey, "--unseen_names: only multi-key has names: add --multikey"),
         (not 2 <= args.keys <= 16 or (args.keys != 4 and not args.multikey),
@@ -379,7 +381,8 @@ def arg_parser():
                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter),
                     "sampling and test prompts")
     gen = p.add_argument_group("generation (without a test flag)")
-    gen.add_argument("--prompt", default="\n", help="prompt text, or FILE:path to read it from (default: %(default)r)")
+    gen.add_argument("--prompt", default=argparse.SUPPRESS,  # absent unless given: the tests refuse it
+                     help="prompt text, or FILE:path to read it from (default: a newline)")
     gen.add_argument("--num_samples", type=int, default=1, help="generations to draw from the prompt")
     gen.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per generation")
     gen.add_argument("--temperature", type=float, default=0.8, help="1.0 = as trained, < 1 sharper, 0 = greedy")
@@ -410,7 +413,7 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
-    prompt = None if tasks else read_prompt(args.prompt)
+    prompt = None if tasks else read_prompt(getattr(args, "prompt", "\n"))
     try:
         enc = get_tokenizer(args.tokenizer_file)
         lengths = parse_lengths(args.lengths) if tasks else None

@@ -514,6 +514,8 @@ BAD_SAMPLE_ARGS = [
     (["--passkey", "--haystack={tmp}/empty"], r"--haystack .*empty: no .txt files"),
     (["--passkey", "--haystack={tmp}/short.bin"], r"--haystack .*short.bin: only 10 tokens"),
     (["--top_k=-1"], r"--top_k=-1: must be >= 0 \(0 = off"),
+    (["--multikey", "--prompt=Hello", "--lengths=300", "--samples_per_length=1"],
+     r"--prompt: --passkey, --multikey and --vartrack make their own prompts: drop --prompt, or the test flags$"),
     (["--max_new_tokens=0"], r"--max_new_tokens=0: must be >= 1"),
     (["--temperature=-0.5"], r"--temperature=-0.5: must be >= 0"),
     (["--num_samples=0"], r"--num_samples=0: must be >= 1"),
