@@ -115,9 +115,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None
 
 
 def print_samples(model, enc, prompt, args, ctx):
-    """Print --num_samples continuations, each after the prompt's last 500 characters, streamed as generated: each
-    token's bytes through an incremental UTF-8 decoder (a character split across tokens shows once whole), which
-    gives enc.decode's text."""
+    """Print --num_samples continuations, each after the prompt's last 500 characters, streamed as generated: token
+    by token through an incremental UTF-8 decoder (a character split across tokens shows once whole)."""
     x = as_batch(model, enc.encode_ordinary(prompt) or [enc.eot_token])  # (1, T)
     for _ in range(args.num_samples):
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as enc.decode
@@ -126,8 +125,7 @@ def print_samples(model, enc, prompt, args, ctx):
             generate(model, x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
                      state=model.new_state(offload=args.offload), prefill_segment=args.segment,
                      emit=lambda t: print(utf8.decode(enc.decode_single_token_bytes(t.item())), end="", flush=True))
-        print(utf8.decode(b"", final=True))
-        print("-" * 40, flush=True)
+        print(utf8.decode(b"", final=True), "-" * 40, sep="\n", flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -343,12 +341,11 @@ def check_args(args):
 
 
 def load_haystack(path, enc):
-    """The --haystack text, read once for every test, or a one-line ValueError; a .bin cut short, of odd size or
-    of another vocabulary is refused as train.py and evaluate.py --docs refuse it (common.check_bin)."""
+    """The --haystack text, read once for every test, or a one-line ValueError; a .bin checked as train.py's."""
     fix = "give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for the synthetic filler"
     try:
-        if path.endswith(".bin") and os.path.isfile(path):
-            common.check_bin(path, fix=fix)
+        if path.endswith(".bin") and os.path.isfile(path):  # cut short, of odd size, another vocabulary's
+            common.check_bin(path, fix=fix)  # refused as train.py and evaluate.py --docs refuse it
         return Haystack(path, enc)
     except (OSError, ValueError) as e:  # missing, empty or unreadable
         why = str(e).rstrip(".")
