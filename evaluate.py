@@ -29,7 +29,7 @@ import common
 from common import EOT, GPT2_VOCAB, fmt_len, get_tokenizer, retrieval_stats, sink_label
 from model import window_reach
 from sample import Progress, as_batch, build_model, load_haystack, prefill, read_checkpoint, shared_args
-from sample import shared_problems
+from sample import retrieval_modes, shared_problems
 
 
 def error(msg):
@@ -391,7 +391,7 @@ def main(argv=None):
     cuda = torch.device(args.device).type == "cuda"
     ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
     try:
-        models = {m: build_model(ckpt, args.device, m) for m in (args.retrieval or cfg.retriever).split(",")}
+        models = {m: build_model(ckpt, args.device, m) for m in retrieval_modes(args, cfg)}
     except common.CheckpointError as e:
         error(e)
     if args.ppl:

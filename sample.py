@@ -315,6 +315,15 @@ def shared_problems(args):
          f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")]
 
 
+def retrieval_modes(args, cfg):
+    """--retrieval's modes (None: as trained); a checkpoint without retrieval (groups=()) runs once, said so."""
+    if args.retrieval and not cfg.groups:
+        print(f"note: this checkpoint has no retrieval (groups=()), so --retrieval={args.retrieval} changes nothing: "
+              f"one run, its windows alone (retrieval none)")
+        return ["none"]
+    return args.retrieval.split(",") if args.retrieval else [cfg.retriever]
+
+
 def check_args(args):
     """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
     for bad, msg in [
@@ -427,17 +436,18 @@ def main(argv=None):
         error(e)
 
     torch.manual_seed(args.seed)
-    modes = args.retrieval.split(",") if args.retrieval else [cfg.retriever]
     print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): {cfg}")
     cuda = torch.device(args.device).type == "cuda"
     ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
-    for mode in modes if tasks else [cfg.retriever]:
+    for mode in (modes := retrieval_modes(args, cfg)):
         try:
             model = build_model(ckpt, args.device, mode)
         except common.CheckpointError as e:
             error(e)
         if not tasks:
-            return print_samples(model, enc, prompt, args, ctx)
+            if len(modes) > 1:
+                print(f"\nretrieval {mode}:")
+            print_samples(model, enc, prompt, args, ctx)
         for task in tasks:
             for depth in depths:
                 run_task(model, enc, task, lengths, args, ctx, haystack, depth)

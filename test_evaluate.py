@@ -168,6 +168,21 @@ def test_ppl_by_position(tmp_path, monkeypatch, capsys):
     assert filled(zeroed) == filled(table["none"]) and zeroed[1] != table["learned"][1]
 
 
+def test_baseline_runs_one_retrieval_mode(tmp_path, monkeypatch, capsys):
+    """A checkpoint without retrieval (groups=()) under --retrieval=learned,random,none: a one-line note and
+    one column, its windows alone, not three identical columns."""
+    import evaluate
+    tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", groups=(), window=64)
+    np.random.default_rng(0).integers(0, 50257, 300).astype(np.uint16).tofile(tmp_path / "d.bin")
+    table = evaluate.main([f"--ckpt={ckpt}", f"--docs={tmp_path / 'd.bin'}", "--ppl", "--retrieval=learned,random,none",
+                           "--device=cpu"])
+    out = capsys.readouterr().out
+    assert list(table) == ["none"] and re.search(r"^\s+positions\s+tokens\s+ppl none$", out, re.M), out
+    assert re.search(r"^note: this checkpoint has no retrieval \(groups=\(\)\), so --retrieval=learned,random,none "
+                     r"changes nothing: one run, its windows alone \(retrieval none\)$", out, re.M), out
+
+
 def test_inspect_shows_the_picks(tmp_path, capsys):
     """evaluate.py --inspect: for the chunk holding token --at, the chunks each group picked at the
     landmark before it, with the weights a stream prefilled by hand gets; all strictly earlier."""

@@ -619,6 +619,27 @@ def test_sample_haystack_read_once(tmp_path, monkeypatch, capsys):
     assert len(made) == 1 and capsys.readouterr().out.count("filler from") == 2  # one read, both tests
 
 
+def test_sample_retrieval_modes(tmp_path, monkeypatch, capsys):
+    """--retrieval's modes run in turn, generation's too (a heading each); a checkpoint without retrieval
+    (groups=()) runs once, its windows alone, and says so in one line, not a table per mode."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    built, build = [], sample.build_model
+    monkeypatch.setattr(sample, "build_model", lambda ckpt, device, mode: built.append(mode) or build(ckpt, device, mode))
+    drt, base = tiny_checkpoint(tmp_path / "drt.pt"), tiny_checkpoint(tmp_path / "base.pt", groups=())
+    sample.main([f"--ckpt={drt}", "--prompt=Hi", "--max_new_tokens=2", "--retrieval=random,none", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert built == ["random", "none"] and re.findall(r"^retrieval (\w+):$", out, re.M) == built, out
+    assert "note:" not in out
+    built.clear()
+    sample.main([f"--ckpt={base}", "--passkey", "--lengths=300", "--samples_per_length=1",
+                 "--retrieval=learned,random,none", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert built == ["none"] and re.findall(r"^passkey, retrieval (\w+):", out, re.M) == ["none"], out
+    assert re.search(r"^note: this checkpoint has no retrieval \(groups=\(\)\), so --retrieval=learned,random,none "
+                     r"changes nothing: one run, its windows alone \(retrieval none\)$", out, re.M), out
+
+
 def test_sample_top_k_zero_is_off(tmp_path, monkeypatch):
     import sample
     tokenizer_or_skip(monkeypatch)
