@@ -367,7 +367,8 @@ def arg_parser():
     p.add_argument("--haystack", default=None,
                    help="--copying: spans of real text too, from .txt books in a folder or a prepare_pg19.py .bin")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="--ppl: perplexity against position, a curve per "
-                   "--retrieval mode; --inspect: every pick up to --at; needs matplotlib (pip install matplotlib)")
+                   "--retrieval mode; --inspect: every pick up to --at; the format by the extension (.png, .pdf, .svg, "
+                   "...; none: .png); needs matplotlib (pip install matplotlib)")
     return p
 
 
