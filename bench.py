@@ -392,6 +392,10 @@ def main(argv=None):
     except (TypeError, ValueError) as e:
         p.error(f"--model={args.model!r}: {e}")
     args.model = overrides
+    T = overrides.get("chunk_size", DRTConfig.chunk_size) - 1  # text tokens per chunk
+    if args.train and args.block_size < 2 * T + 1:  # train.py's rule: chunks 0 and 1 retrieve nothing, GCA starts in 2
+        p.error(f"--block_size={args.block_size} gives fewer than 3 chunks, so GCA would never run: use --block_size "
+                f">= {2 * T + 1} (best a multiple of chunk_size-1={T})")
     if (dev.type == "cuda" or args.kernel) and not torch.cuda.is_available():  # no benchmark ran: not a success
         raise SystemExit("bench.py: error: no CUDA GPU here, so nothing was timed (--train and --long take "
                          "--device=cpu for a smoke run); the kernels' CPU tests, under TRITON_INTERPRET=1: "

@@ -29,7 +29,7 @@ import common
 from common import EOT, GPT2_VOCAB, fmt_len, get_tokenizer, retrieval_stats, sink_label
 from model import window_reach
 from sample import Progress, as_batch, build_model, load_haystack, prefill, read_checkpoint, shared_args
-from sample import shared_problems
+from sample import retrieval_modes, shared_problems
 
 
 def error(msg):
@@ -336,8 +336,15 @@ def check_args(args):
          "--inspect --plot draws one retrieval mode: give one --retrieval")]:
         if bad:
             error(msg)
-    if args.plot:
-        pyplot()  # a missing matplotlib says so now, not after the model has run
+    if args.plot:  # a missing matplotlib or a format it cannot write says so now, not after the model has run
+        pyplot()
+        from matplotlib.backend_bases import FigureCanvasBase
+        formats = FigureCanvasBase.get_supported_filetypes()  # {extension: what it is}
+        if not (ext := os.path.splitext(args.plot)[1][1:].lower()):  # savefig's rule: no extension, a PNG
+            args.plot = args.plot.rstrip(".") + ".png"  # the name it writes, and that "wrote" prints
+        elif ext not in formats:
+            error(f"--plot={args.plot}: matplotlib cannot write .{ext} files: end the name in .png, or another "
+                  f"of its formats ({', '.join(f for f in formats if f != 'png')})")
         if why := common.unwritable(os.path.dirname(os.path.abspath(args.plot))):
             error(f"--plot={args.plot}: {why}")
 
@@ -360,7 +367,8 @@ def arg_parser():
     p.add_argument("--haystack", default=None,
                    help="--copying: spans of real text too, from .txt books in a folder or a prepare_pg19.py .bin")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="--ppl: perplexity against position, a curve per "
-                   "--retrieval mode; --inspect: every pick up to --at; needs matplotlib (pip install matplotlib)")
+                   "--retrieval mode; --inspect: every pick up to --at; the format by the extension (.png, .pdf, .svg, "
+                   "...; none: .png); needs matplotlib (pip install matplotlib)")
     return p
 
 
@@ -384,7 +392,7 @@ def main(argv=None):
     cuda = torch.device(args.device).type == "cuda"
     ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
     try:
-        models = {m: build_model(ckpt, args.device, m) for m in (args.retrieval or cfg.retriever).split(",")}
+        models = {m: build_model(ckpt, args.device, m) for m in retrieval_modes(args, cfg)}
     except common.CheckpointError as e:
         error(e)
     if args.ppl:

@@ -15,6 +15,7 @@ the picks and in-context copying: evaluate.py.
 """
 
 import argparse
+import codecs
 import dataclasses
 import os
 import random
@@ -89,9 +90,10 @@ def as_batch(model, ids):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None, prefill_segment=16384, emit=None):
     """Continue idx (B, T) by max_new_tokens through a stream (§3.2): the prompt prefilled in segments of
-    prefill_segment tokens, then one token per step -> (B, max_new_tokens) new ids."""
+    prefill_segment tokens, then one token per step -> (B, max_new_tokens) new ids; emit: called with each
+    new token (B, 1) as it is drawn."""
     state = state if state is not None else model.new_state()
     for s in range(0, idx.size(1), prefill_segment):
         logits, _ = model(idx[:, s : s + prefill_segment], state=state)
@@ -107,19 +109,23 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, state=None
                 logits[logits < v[:, [-1]]] = float("-inf")
             nxt = torch.multinomial(F.softmax(logits, -1), 1)
         out.append(nxt)
+        emit and emit(nxt)
         logits, _ = model(nxt, state=state)
     return torch.cat(out, 1)
 
 
 def print_samples(model, enc, prompt, args, ctx):
-    """Print --num_samples continuations, each after the prompt's last 500 characters."""
+    """Print --num_samples continuations, each after the prompt's last 500 characters, streamed as generated: token
+    by token through an incremental UTF-8 decoder (a character split across tokens shows once whole)."""
     x = as_batch(model, enc.encode_ordinary(prompt) or [enc.eot_token])  # (1, T)
     for _ in range(args.num_samples):
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as enc.decode
+        print(prompt[-500:], end="", flush=True)
         with ctx:
-            y = generate(model, x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
-                         state=model.new_state(offload=args.offload), prefill_segment=args.segment)
-        print(prompt[-500:] + enc.decode(y[0].tolist()))
-        print("-" * 40, flush=True)
+            generate(model, x, args.max_new_tokens, args.temperature, args.top_k or None,  # top_k 0: all tokens
+                     state=model.new_state(offload=args.offload), prefill_segment=args.segment,
+                     emit=lambda t: print(utf8.decode(enc.decode_single_token_bytes(t.item())), end="", flush=True))
+        print(utf8.decode(b"", final=True), "-" * 40, sep="\n", flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -327,6 +333,15 @@ def shared_problems(args):
          f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")]
 
 
+def retrieval_modes(args, cfg):
+    """--retrieval's modes (None: as trained); a checkpoint without retrieval (groups=()) runs once, said so."""
+    if args.retrieval and not cfg.groups:
+        print(f"note: this checkpoint has no retrieval (groups=()), so --retrieval={args.retrieval} changes nothing: "
+              f"one run, its windows alone (retrieval none)")
+        return ["none"]
+    return args.retrieval.split(",") if args.retrieval else [cfg.retriever]
+
+
 def check_args(args):
     """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
     for bad, msg in [
@@ -335,6 +350,8 @@ def check_args(args):
         (args.max_new_tokens < 1, f"--max_new_tokens={args.max_new_tokens}: must be >= 1"),
         (not args.temperature >= 0, f"--temperature={args.temperature}: must be >= 0 (0 = greedy, 1 = as trained)"),
         (args.top_k < 0, f"--top_k={args.top_k}: must be >= 0 (0 = off: sample among all tokens)"),
+        ("prompt" in args and (args.passkey or args.multikey or args.vartrack),
+         "--prompt: --passkey, --multikey and --vartrack make their own prompts: drop --prompt, or the test flags"),
         *shared_problems(args),
         (args.unseen_names and not args.multikey, "--unseen_names: only multi-key has names: add --multikey"),
         (not 2 <= args.keys <= 16 or (args.keys != 4 and not args.multikey),
@@ -354,14 +371,18 @@ def check_args(args):
 
 
 def load_haystack(path, enc):
-    """The --haystack text, read once for every test, or a one-line ValueError."""
+    """The --haystack text, read once for every test, or a one-line ValueError; a .bin checked as train.py's."""
+    fix = "give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for the synthetic filler"
     try:
+        if path.endswith(".bin") and os.path.isfile(path):  # cut short, of odd size, another vocabulary's
+            common.check_bin(path, fix=fix)  # refused as train.py and evaluate.py --docs refuse it
         return Haystack(path, enc)
     except (OSError, ValueError) as e:  # missing, empty or unreadable
         why = str(e).rstrip(".")
+        if why.endswith(fix):  # check_bin's, which begins with the path
+            raise ValueError(f"--haystack {why}") from None
         why = why if why.startswith("--haystack") else f"--haystack {path}: {why}"  # numpy's or the OS's words
-        raise ValueError(f"{why}: give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack "
-                         f"for the synthetic filler") from None
+        raise ValueError(f"{why}: {fix}") from None
 
 
 def shared_args(p, seed_help):
@@ -387,7 +408,8 @@ def arg_parser():
                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter),
                     "sampling and test prompts")
     gen = p.add_argument_group("generation (without a test flag)")
-    gen.add_argument("--prompt", default="\n", help="prompt text, or FILE:path to read it from (default: %(default)r)")
+    gen.add_argument("--prompt", default=argparse.SUPPRESS,  # absent unless given: the tests refuse it
+                     help="prompt text, or FILE:path to read it from (default: a newline)")
     gen.add_argument("--num_samples", type=int, default=1, help="generations to draw from the prompt")
     gen.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per generation")
     gen.add_argument("--temperature", type=float, default=0.8, help="1.0 = as trained, < 1 sharper, 0 = greedy")
@@ -422,7 +444,7 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     check_args(args)
     tasks = [t for t in TASKS if getattr(args, t)]
-    prompt = None if tasks else read_prompt(args.prompt)
+    prompt = None if tasks else read_prompt(getattr(args, "prompt", "\n"))
     try:
         enc = get_tokenizer(args.tokenizer_file)
         lengths = parse_lengths(args.lengths) if tasks else None
@@ -439,17 +461,18 @@ def main(argv=None):
         error(e)
 
     torch.manual_seed(args.seed)
-    modes = args.retrieval.split(",") if args.retrieval else [cfg.retriever]
     print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): {cfg}")
     cuda = torch.device(args.device).type == "cuda"
     ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
-    for mode in modes if tasks else [cfg.retriever]:
+    for mode in (modes := retrieval_modes(args, cfg)):
         try:
             model = build_model(ckpt, args.device, mode)
         except common.CheckpointError as e:
             error(e)
         if not tasks:
-            return print_samples(model, enc, prompt, args, ctx)
+            if len(modes) > 1:
+                print(f"\nretrieval {mode}:")
+            print_samples(model, enc, prompt, args, ctx)
         for task in tasks:
             for depth in depths:
                 run_task(model, enc, task, lengths, args, ctx, haystack, depth)

@@ -29,7 +29,13 @@ from model import DRTConfig, gca_reference
     (["--long", "--lengths=0", "--device=cpu"], "--lengths=0: every length must be at least 1 token"),
     (["--train", "--model={'nope': 1}", "--device=cpu"], "--model: 'nope' cannot be set: give DRTConfig's fields but"),
     (["--train", "--model={'groups': ()}", "--device=cpu"], "--model: 'groups' cannot be set"),
-], ids=["nothing to do", "steps", "rep", "lengths", "n_embd", "model", "lengths-zero", "model-key", "model-case-key"])
+    # train.py's rule: at least 2 chunks and a token, GCA's first (chunks of 64 on a GPU, the toy's 16 on a CPU)
+    (["--train", "--block_size=126"], "--block_size=126 gives fewer than 3 chunks, so GCA would never run: use "
+                                      "--block_size >= 127 (best a multiple of chunk_size-1=63)"),
+    (["--train", "--block_size=10", "--device=cpu"], "--block_size=10 gives fewer than 3 chunks, so GCA would never "
+                                                     "run: use --block_size >= 31 (best a multiple of chunk_size-1=15)"),
+], ids=["nothing to do", "steps", "rep", "lengths", "n_embd", "model", "lengths-zero", "model-key", "model-case-key",
+        "block_size", "block_size-cpu"])
 def test_bench_usage_errors(argv, message, capsys):
     import bench
     with pytest.raises(SystemExit) as e:

@@ -168,6 +168,21 @@ def test_ppl_by_position(tmp_path, monkeypatch, capsys):
     assert filled(zeroed) == filled(table["none"]) and zeroed[1] != table["learned"][1]
 
 
+def test_baseline_runs_one_retrieval_mode(tmp_path, monkeypatch, capsys):
+    """A checkpoint without retrieval (groups=()) under --retrieval=learned,random,none: a one-line note and
+    one column, its windows alone, not three identical columns."""
+    import evaluate
+    tokenizer_or_skip(monkeypatch)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", groups=(), window=64)
+    np.random.default_rng(0).integers(0, 50257, 300).astype(np.uint16).tofile(tmp_path / "d.bin")
+    table = evaluate.main([f"--ckpt={ckpt}", f"--docs={tmp_path / 'd.bin'}", "--ppl", "--retrieval=learned,random,none",
+                           "--device=cpu"])
+    out = capsys.readouterr().out
+    assert list(table) == ["none"] and re.search(r"^\s+positions\s+tokens\s+ppl none$", out, re.M), out
+    assert re.search(r"^note: this checkpoint has no retrieval \(groups=\(\)\), so --retrieval=learned,random,none "
+                     r"changes nothing: one run, its windows alone \(retrieval none\)$", out, re.M), out
+
+
 def test_inspect_shows_the_picks(tmp_path, capsys):
     """evaluate.py --inspect: for the chunk holding token --at, the chunks each group picked at the
     landmark before it, with the weights a stream prefilled by hand gets; all strictly earlier."""
@@ -211,8 +226,8 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
 
 
 def test_plots(tmp_path, monkeypatch, capsys):
-    """--plot: --ppl's curves and --inspect's picks as PNG files; without matplotlib, one line before the
-    model loads."""
+    """--plot: --ppl's curves and --inspect's picks as PNG files (a name without an extension gets .png, and
+    is printed so); without matplotlib, one line before the model loads."""
     import evaluate
     tokenizer_or_skip(monkeypatch)
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", window=64, groups=(1, 1))
@@ -226,17 +241,19 @@ def test_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
     evaluate.main([*run, "--ppl", "--retrieval=learned,none", f"--plot={tmp_path / 'ppl.png'}"])
-    evaluate.main([*run, "--inspect", "--at=2500", f"--plot={tmp_path / 'picks.png'}"])
+    evaluate.main([*run, "--inspect", "--at=2500", f"--plot={tmp_path / 'picks'}"])  # no extension: a PNG, so named
     out = capsys.readouterr().out
+    assert not (tmp_path / "picks").exists()
     for name in ("ppl.png", "picks.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {tmp_path / name}" in out
 
 
 def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
     """Every bad argument is one line before the model runs: a --plot into a folder that cannot be made or
-    written (not after minutes of evaluation), --ppl and --inspect together, --doc without --inspect or naming
-    no document, a .bin cut short or of odd size (train.py's check); --doc picks --inspect's document by name
-    or index, and --inspect --plot's title names it."""
+    written, or in a format matplotlib cannot write (not after minutes of evaluation), --ppl and --inspect
+    together, --doc without --inspect or naming no document, a .bin cut short or of odd size (train.py's
+    check, for --docs and --haystack); --doc picks --inspect's document by name or index, and --inspect
+    --plot's title names it."""
     import evaluate
     tokenizer_or_skip(monkeypatch)
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt", window=64)
@@ -254,6 +271,8 @@ def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "doc_nll", lambda *a, **k: ran.append(1))
     for argv, message in [
         (["--ppl", f"--plot={tmp_path / 't.bin'}/x.png"], r"--plot=.*t.bin/x.png: .*t.bin is a file"),
+        (["--ppl", f"--plot={tmp_path / 'x.txt'}"], r"--plot=.*x.txt: matplotlib cannot write .txt files: end the "
+                                                   r"name in .png, or another of its formats \(.*pdf.*svg"),
         (["--ppl", "--inspect"], r"give one of --ppl, --inspect, --copying"),
         (["--ppl", "--doc=730"], r"--doc chooses --inspect's document: --ppl reads them all"),
         (["--inspect", "--doc=999"], r"--doc=999: .*t.bin has no document of that name, and 2 by index \(0-1\): "
@@ -262,6 +281,8 @@ def test_evaluate_arguments(tmp_path, monkeypatch, capsys):
         (["--ppl", f"--docs={tmp_path / 'odd.bin'}"], r"--docs: .*odd.bin has 3 bytes, not a whole number of uint16"),
         (["--ppl", f"--docs={tmp_path / 'cut' / 't.bin'}"], r"--docs: .*t.bin has 1,000 bytes, 1,602 uint16 tokens by its "
                                                              r"meta.json: prepare it again, or pass another --docs"),
+        (["--copying", f"--haystack={tmp_path / 'cut' / 't.bin'}"], r"--haystack .*t.bin has 1,000 bytes, 1,602 uint16 "
+                                                                     r"tokens by its meta.json: give a folder of .txt"),
     ]:
         if "plot" in argv[-1]:
             pytest.importorskip("matplotlib")

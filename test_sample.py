@@ -5,6 +5,7 @@ scoring, the test table and its columns, generation, and every argument and file
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -564,6 +565,8 @@ BAD_SAMPLE_ARGS = [
     (["--passkey", "--haystack={tmp}/empty"], r"--haystack .*empty: no .txt files"),
     (["--passkey", "--haystack={tmp}/short.bin"], r"--haystack .*short.bin: only 10 tokens"),
     (["--top_k=-1"], r"--top_k=-1: must be >= 0 \(0 = off"),
+    (["--multikey", "--prompt=Hello", "--lengths=300", "--samples_per_length=1"],
+     r"--prompt: --passkey, --multikey and --vartrack make their own prompts: drop --prompt, or the test flags$"),
     (["--max_new_tokens=0"], r"--max_new_tokens=0: must be >= 1"),
     (["--temperature=-0.5"], r"--temperature=-0.5: must be >= 0"),
     (["--num_samples=0"], r"--num_samples=0: must be >= 1"),
@@ -587,7 +590,12 @@ BAD_SAMPLE_ARGS = [
     (["--dtype=float16"], r"--dtype=float16: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
     (["--tokenizer_file={tmp}/junk.tiktoken"], r"GPT-2 ranks file .*junk.tiktoken \(from --tokenizer_file or "
                                                 r"DRT_GPT2_RANKS\) is not a tiktoken ranks file"),
-    (["--passkey", "--haystack={tmp}/ids.bin"], r"--haystack .*ids.bin: token id 60000 is past GPT-2's 50257 ids"),
+    (["--passkey", "--haystack={tmp}/ids.bin"], r"--haystack .*ids.bin holds token id 60000, outside GPT-2's 50257 ids"),
+    # as train.py and evaluate.py --docs refuse them: a copy cut short (by its meta.json), an odd size
+    (["--passkey", "--lengths=300", "--samples_per_length=1", "--haystack={tmp}/cut/val.bin"],
+     r"--haystack .*val.bin has 4,000 bytes, 5,000 uint16 tokens by its meta.json: give a folder of .txt books"),
+    (["--passkey", "--lengths=300", "--samples_per_length=1", "--haystack={tmp}/odd.bin"],
+     r"--haystack .*odd.bin has 4,001 bytes, not a whole number of uint16 tokens: give a folder"),
 ]
 
 
@@ -599,6 +607,10 @@ def test_sample_bad_arguments(argv, message, tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "short.bin")
     np.arange(60001 - 5000, 60001, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    (tmp_path / "odd.bin").write_bytes(np.arange(2000, dtype=np.uint16).tobytes() + b"x")
+    (tmp_path / "cut").mkdir()  # 2,000 tokens of the 5,000 its meta.json lists
+    (tmp_path / "cut" / "meta.json").write_text('{"vocab_size": 50257, "splits": {"val": {"tokens": 5000}}}')
+    np.arange(2000, dtype=np.uint16).tofile(tmp_path / "cut" / "val.bin")
     (tmp_path / "junk.tiktoken").write_text("not a ranks file\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit, match="^sample.py: error: " + message) as e:
@@ -658,6 +670,27 @@ def test_sample_haystack_read_once(tmp_path, monkeypatch, capsys):
     assert len(made) == 1 and capsys.readouterr().out.count("filler from") == 2  # one read, both tests
 
 
+def test_sample_retrieval_modes(tmp_path, monkeypatch, capsys):
+    """--retrieval's modes run in turn, generation's too (a heading each); a checkpoint without retrieval
+    (groups=()) runs once, its windows alone, and says so in one line, not a table per mode."""
+    import sample
+    tokenizer_or_skip(monkeypatch)
+    built, build = [], sample.build_model
+    monkeypatch.setattr(sample, "build_model", lambda ckpt, device, mode: built.append(mode) or build(ckpt, device, mode))
+    drt, base = tiny_checkpoint(tmp_path / "drt.pt"), tiny_checkpoint(tmp_path / "base.pt", groups=())
+    sample.main([f"--ckpt={drt}", "--prompt=Hi", "--max_new_tokens=2", "--retrieval=random,none", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert built == ["random", "none"] and re.findall(r"^retrieval (\w+):$", out, re.M) == built, out
+    assert "note:" not in out
+    built.clear()
+    sample.main([f"--ckpt={base}", "--passkey", "--lengths=300", "--samples_per_length=1",
+                 "--retrieval=learned,random,none", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert built == ["none"] and re.findall(r"^passkey, retrieval (\w+):", out, re.M) == ["none"], out
+    assert re.search(r"^note: this checkpoint has no retrieval \(groups=\(\)\), so --retrieval=learned,random,none "
+                     r"changes nothing: one run, its windows alone \(retrieval none\)$", out, re.M), out
+
+
 def test_sample_top_k_zero_is_off(tmp_path, monkeypatch):
     import sample
     tokenizer_or_skip(monkeypatch)
@@ -666,6 +699,52 @@ def test_sample_top_k_zero_is_off(tmp_path, monkeypatch):
     sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Hi", "--max_new_tokens=3", "--top_k=0",
                  "--device=cpu"])
     assert seen == [None]  # sample among all tokens
+
+
+def test_sample_streams_text(tmp_path, monkeypatch):
+    """Generation prints its text as it goes (a long --max_new_tokens is not minutes of silence), and in the
+    end the same text as before: the prompt's tail, the decoded tokens, a rule."""
+    import io
+
+    import sample
+    enc = tokenizer_or_skip(monkeypatch)
+    out, seen, made, generate = io.StringIO(), [], [], sample.generate
+    monkeypatch.setattr(sys, "stdout", out)
+    build = sample.build_model
+
+    def hooked(*a):  # the printed length at every step of the model
+        model = build(*a)
+        model.register_forward_hook(lambda *_: seen.append(len(out.getvalue())))
+        return model
+    monkeypatch.setattr(sample, "build_model", hooked)
+    monkeypatch.setattr(sample, "generate", lambda *a, **kw: made.append(generate(*a, **kw)) or made[-1])
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Once upon a time", "--max_new_tokens=12",
+                 "--temperature=0", "--device=cpu"])
+    text = out.getvalue().split("\n", 1)[1]  # after the "loaded" line
+    assert text == "Once upon a time" + enc.decode(made[0][0].tolist()) + "\n" + "-" * 40 + "\n"
+    assert len(set(seen[1:])) >= 6, seen  # the text grew while the tokens were drawn, not once at the end
+
+
+def test_sample_streams_whole_characters(tmp_path, monkeypatch):
+    """Characters whose UTF-8 bytes GPT-2 splits across tokens are printed once whole, never as
+    replacement characters along the way."""
+    import io
+
+    import sample
+    enc = tokenizer_or_skip(monkeypatch)
+    ids = enc.encode_ordinary("naïve 日本語 ☃ café 🙂!")  # 日本語 and ☃: 9 tokens, none a whole character
+    out, seen = io.StringIO(), []
+    monkeypatch.setattr(sys, "stdout", out)
+
+    def generate(model, x, n, *a, emit=None, **kw):
+        for t in ids:
+            emit(torch.tensor([[t]]))
+            seen.append(out.getvalue())
+        return torch.tensor([ids])
+    monkeypatch.setattr(sample, "generate", generate)
+    sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--prompt=Hi", "--device=cpu"])
+    assert out.getvalue().endswith("\nHinaïve 日本語 ☃ café 🙂!\n" + "-" * 40 + "\n")
+    assert not any("\ufffd" in o for o in seen) and [o.count("日") for o in seen].index(1) == 4, seen
 
 
 @pytest.mark.parametrize("kind", ["text", "empty", "half", "tensor"])
