@@ -30,6 +30,7 @@ from conftest import (
     read_until,
     start_run,
     tiny_args,
+    tiny_checkpoint,
     tiny_dataset,
     tokenizer_or_skip,
 )
@@ -243,6 +244,22 @@ def test_setup_errors(tmp_path):
         train.main(tiny_args(tmp_path, "empty", "--init_from=resume"))
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--needle_loss=0.1"], r"^--needle_loss ranks the asked needle of task rows, which only the task datasets "
+                            r"\(passkey, multikey\) have; --dataset=pg19 is text$"),
+    (["--topk=4"], r"^topk=4 is more than a training row can pick: block_size=35 is 5 chunks of 7 tokens, and its last "
+                   r"chunk reads 3 at most: use --topk <= 3 or --block_size >= 36$"),
+    (["--teacher_iters=7"], r"^teacher_iters=7 must lie in \[0, max_iters=6\]$"),
+], ids=["needle-loss-on-text", "topk-past-the-row", "teacher-past-max-iters"])
+def test_run_settings_refused(tmp_path, extra, message):
+    """Settings that could only waste the run: one line that says why, before anything is made."""
+    with pytest.raises(train.ConfigError, match=message):
+        train.main(tiny_args(tmp_path, "run", *extra))
+    assert not (tmp_path / "run").exists()
+    train.main(tiny_args(tmp_path, "run", "--block_size=36", "--topk=4", "--teacher_iters=6", "--stop_iter=1",
+                         "--eval_iters=1"))  # at the limits: it trains
+
+
 def test_progress(tmp_path, monkeypatch, capsys):
     """A step or an evaluation that runs long says how far it got (here: 'long' made 0 s)."""
     args = tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--tokens_per_step=140")
@@ -307,6 +324,22 @@ def test_resume_conflicting_model(tmp_path):
     assert [it for it, _ in train.main(no_model_keys)] == [2]
 
 
+def test_resume_on_other_data_resets_best(tmp_path, capsys):
+    """A resume on other data (here --dataset=code, as after PG19) starts its best val loss afresh and says so: the
+    best of the old validation rows, lower than any on the new ones, would block every save but the last."""
+    train.main(tiny_args(tmp_path, "run", "--max_iters=4", "--eval_interval=2", "--stop_iter=2"))
+    old = load_ckpt(tmp_path / "run")["best_val_loss"]
+    other = tiny_dataset(tmp_path / "other", vocab=40)  # ids 24-39, which the run never saw: a higher loss
+    capsys.readouterr()
+    train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", "--dataset=code", f"--data_dir={other}",
+                "--eval_interval=1", "--always_save_checkpoint=False"])
+    out = capsys.readouterr().out
+    assert re.search(rf"^resume: dataset, data_dir changed, so the best val loss starts afresh \(the checkpoint's "
+                     rf"{old:.4f} was on other validation rows\)$", out, re.M), out
+    assert f"saved {tmp_path / 'run' / 'ckpt.pt'} at step 3" in out  # the first val loss on code is the best so far
+    assert load_ckpt(tmp_path / "run")["best_val_loss"] > old
+
+
 def test_finetune_from_checkpoint(tmp_path):
     """init_from=<another run>: that run's weights and architecture, a fresh optimizer and schedule
     from step 0, at another block_size (e.g. PG19 weights, then a synthetic task)."""
@@ -333,6 +366,19 @@ def test_finetune_from_checkpoint(tmp_path):
     with pytest.raises(train.ConfigError, match=r"^teacher_slots=5 must lie in \[0, topk=3\]$"):
         train.main([a for a in tiny_args(tmp_path, "ft4", f"--init_from={tmp_path / 'base'}", "--teacher_iters=1",
                                          "--teacher_slots=5") if a.split("=")[0][2:] not in train.MODEL_KEYS])
+
+
+def test_finetune_shape_clash_names_its_checkpoint(tmp_path):
+    """A fine-tune asking another shape than its init_from checkpoint's (--groups="(1,1)" from a run trained with one
+    group) is told that the shape comes from that checkpoint, not to start a new out_dir (it is one)."""
+    base = tiny_checkpoint(tmp_path / "base.pt")  # groups=(1,)
+    args = [a for a in tiny_args(tmp_path, "ft", f"--init_from={base}") if a.split("=")[0][2:] not in train.MODEL_KEYS]
+    with pytest.raises(train.ConfigError, match=rf"^init_from checkpoint {re.escape(base)} has groups=\(1,\), the config "
+                                                r"asks \(1, 1\): a fine-tune keeps the shape of the model it starts from, "
+                                                r"so drop --groups \(from the command line or config file\), or fine-tune "
+                                                r"from a run trained with that shape$"):
+        train.main([*args, "--groups=(1,1)"])
+    assert not (tmp_path / "ft").exists()
 
 
 def test_out_dir_with_a_checkpoint(tmp_path):
@@ -534,12 +580,12 @@ def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     tokenizer_or_skip(monkeypatch)
     data = tiny_dataset(tmp_path / "pg19", vocab=50257)  # GPT-2 ids, as prepare_pg19.py writes them
     small = ["--n_embd=32", "--n_head=2", "--batch_size=2", "--block_size=250", "--max_iters=2", "--eval_interval=2",
-             "--eval_iters=1", "--log_interval=1", "--device=cpu"]
+             "--eval_iters=1", "--log_interval=1", "--device=cpu", "--topk=2"]  # 4 chunks: the last reads 2
     pre, ft = tmp_path / "pre", tmp_path / "ft"
     train.main([os.path.join(HERE, "config/passkey_pretrain.py"), *small, f"--data_dir={data}", f"--out_dir={pre}"])
     hist = train.main([os.path.join(HERE, "config/passkey_finetune.py"), *small[2:], f"--init_from={pre}",
                        f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40",
-                       "--block_size=504"])  # 16 keys need ~400 tokens
+                       "--block_size=504", "--teacher_iters=1"])  # 16 keys need ~400 tokens
     assert [it for it, _ in hist] == [1, 2]
     a, b = load_ckpt(pre), load_ckpt(ft)
     assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1

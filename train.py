@@ -91,6 +91,8 @@ ddp_timeout = 300  # seconds a rank waits in a collective for a dead or hung one
 DEFAULTS, KINDS = keys_of(globals(), DRTConfig)
 MODEL_KEYS = [f.name for f in dataclasses.fields(DRTConfig)]
 PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does: never restored on resume
+VAL_ROWS = ("dataset", "data_dir", "block_size", "task_min_depth", "task_haystack", "task_haystack_frac", "task_keys",
+            "task_templates")  # what the validation rows are made of
 PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
 SAID = {"at": 0.0}  # when progress last said so
 
@@ -110,12 +112,13 @@ def check_config(config):
     positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
     bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
     bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth",
-                                                      "weight_decay") if config[k] < 0]
+                                                      "weight_decay", "needle_loss") if config[k] < 0]
     bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "task_haystack_frac")
             if not 0 <= config[k] <= 1]
     bad += [why for wrong, why in [
         (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
-        (c.teacher_iters < 0, f"teacher_iters={c.teacher_iters} must be >= 0"),
+        (c.teacher_iters < 0 or c.max_iters >= 1 and c.teacher_iters > c.max_iters,
+         f"teacher_iters={c.teacher_iters} must lie in [0, max_iters={c.max_iters}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
         (len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas), f"betas={c.betas} must be two numbers in [0, 1)"),
         (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
@@ -239,8 +242,11 @@ def check_run(c, given, ckpt, src, world_size, master, device):
         stored |= {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
         if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
             said = ", ".join(f"{k}={stored[k]!r}, the config asks {arch[k]!r}" for k in clash)
-            raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the "
-                              f"command line or config file) or start a new out_dir")
+            drop = f"drop {' '.join(f'--{k}' for k in clash)} (from the command line or config file)"
+            if c.init_from == "resume":
+                raise ConfigError(f"checkpoint {src} has {said}: {drop} or start a new out_dir")
+            raise ConfigError(f"init_from checkpoint {src} has {said}: a fine-tune keeps the shape of the model it "
+                              f"starts from, so {drop}, or fine-tune from a run trained with that shape")
         arch = {k: stored[k] for k in MODEL_KEYS}
     try:
         model_args = dataclasses.asdict(DRTConfig(**arch))
@@ -249,22 +255,29 @@ def check_run(c, given, ckpt, src, world_size, master, device):
     vars(c).update(model_args)  # what is built (e.g. landmark_id filled in): the checkpoint's config says so
     if c.teacher_iters and not c.groups:
         raise ConfigError("teacher_iters hands chunks to GCA, which a model without groups lacks")
-    if c.needle_loss and (not is_tasks(c.dataset) or not c.groups or c.read_next or c.needle_loss < 0):
-        raise ConfigError(f"needle_loss={c.needle_loss}: a weight >= 0 for a task dataset (its needles) and a model "
-                          f"with groups and read_next=False")
+    if c.needle_loss and not is_tasks(c.dataset):
+        raise ConfigError(f"--needle_loss ranks the asked needle of task rows, which only the task datasets "
+                          f"({', '.join(tasks.TRAINED)}) have; --dataset={c.dataset} is text")
+    if c.needle_loss and (not c.groups or c.read_next):
+        raise ConfigError("--needle_loss trains Eq. 1's ranking, which needs a model with groups and read_next=False")
     if not c.train_embeddings and c.init_from == "scratch":
         raise ConfigError("train_embeddings=False keeps trained embeddings: fine-tune them with --init_from=<run>")
     if not 0 <= c.teacher_slots <= c.topk:
         raise ConfigError(f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]")
     model_args["groups"] = list(model_args["groups"])
-    min_len = 2 * (c.chunk_size - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
-    if c.groups and c.block_size < min_len:
+    # chunk t reads the picks of landmark t-1 among the chunks before it: chunks 0 and 1 read none, the last one the most
+    T, nc = c.chunk_size - 1, cdiv(c.block_size, c.chunk_size - 1)
+    if c.groups and nc < 3:
         raise ConfigError(f"block_size={c.block_size} gives fewer than 3 chunks, so GCA would never run: use "
-                          f"block_size >= {min_len} (best a multiple of chunk_size-1={c.chunk_size - 1})")
+                          f"block_size >= {2 * T + 1} (best a multiple of chunk_size-1={T})")
     data = Data(c, device)
     if not data.vocab <= c.landmark_id:
         raise ConfigError(f"the data's token ids reach {data.vocab - 1}, but landmark_id={c.landmark_id} "
                           f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
+    if c.groups and c.topk > nc - 2:  # top-k slots that no chunk of a training row could ever fill
+        raise ConfigError(f"topk={c.topk} is more than a training row can pick: block_size={c.block_size} is {nc} "
+                          f"chunks of {T} tokens, and its last chunk reads {nc - 2} at most: use --topk <= {nc - 2} "
+                          f"or --block_size >= {(c.topk + 1) * T + 1}")
     if master and (why := unwritable(c.out_dir)):  # checked last: a run that cannot start leaves no folder behind
         raise ConfigError(f"out_dir {why}: pass --out_dir=<writable folder>")
     return model_args, data, tokens_per_step // per_micro, tokens_per_step
@@ -436,6 +449,12 @@ def main(argv=None):
                 config[k] = stored
             elif k not in MODEL_KEYS and stored != config[k]:  # model keys: train checks them against model_args
                 log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
+        if changed := [k for k in VAL_ROWS if ckpt["config"].get(k, config[k]) != config[k]]:
+            # reset, not refused: training on other data may go on with the same optimizer and schedule, but a loss on
+            # other validation rows is no bar for this run's (a lower one would block every save)
+            log(f"resume: {', '.join(changed)} changed, so the best val loss starts afresh (the checkpoint's "
+                f"{ckpt['best_val_loss']:.4f} was on other validation rows)")
+            ckpt["best_val_loss"] = float("inf")
         if ckpt["iter_num"] > config["max_iters"]:
             raise ConfigError(f"{src} is at step {ckpt['iter_num']}, past max_iters={config['max_iters']}: pass "
                               f"--max_iters above {ckpt['iter_num']} to train on")
