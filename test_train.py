@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -399,6 +400,38 @@ def test_out_dir_with_a_checkpoint(tmp_path):
     ckpt = load_ckpt(tmp_path / "run")
     assert ckpt["iter_num"] == 2 and ckpt["config"]["learning_rate"] == 0
     assert json.loads((tmp_path / "run" / "ckpt.json").read_text())["val_loss"] == ckpt["best_val_loss"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_one_run_per_out_dir(tmp_path, capsys):
+    """A second run into an out_dir in use is refused at once, naming the first: resumed, replacing it (--overwrite=True)
+    or not, the two would save over each other. A run's lock goes when it ends, on an error too; a killed run's
+    lock, or one whose pid another process has since, is taken over with a line that says so."""
+    run, lock, args = tmp_path / "run", tmp_path / "run" / "train.lock", tiny_args(tmp_path, "run")  # (its data made once)
+    proc = start_run([sys.executable, "train.py", *args, "--eval_iters=1000000"])
+    try:
+        read_until(proc.stdout, r"DRT groups")  # in its first evaluation: no checkpoint yet
+        for extra in ([], ["--overwrite=True"], ["--init_from=resume"]):
+            with pytest.raises(train.ConfigError, match=rf"^out_dir {re.escape(str(run))} is in use by another train.py "
+                                                        rf"run \(pid {proc.pid} on {re.escape(socket.gethostname())}, "
+                                                        r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\): wait for it to end, "
+                                                        r"or use another --out_dir$"):
+                train.main([*args, *extra])
+        os.killpg(proc.pid, signal.SIGKILL)  # a crash: its lock stays behind
+        proc.wait()
+    finally:
+        end_run(proc)
+    assert json.loads(lock.read_text())["pid"] == proc.pid
+    capsys.readouterr()
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_iters=1"))
+    assert re.search(rf"^out_dir {re.escape(str(run))}: taking over the lock of a run that is gone \(pid {proc.pid} on ",
+                     capsys.readouterr().out, re.M)
+    assert not lock.exists() and load_ckpt(run)["iter_num"] == 1
+    # this process's pid, with another start: a pid reused since the lock was taken (a container's run is often pid 1)
+    lock.write_text(json.dumps({"pid": os.getpid(), "ticks": 0, "host": socket.gethostname(), "started": 0}))
+    with pytest.raises(train.ConfigError, match=r"block_size=14 gives fewer than 3 chunks"):
+        train.main(tiny_args(tmp_path, "run", "--init_from=resume", "--block_size=14"))
+    assert "taking over the lock" in capsys.readouterr().out and not lock.exists()  # released on the error
 
 
 def test_bad_checkpoint_files(tmp_path):

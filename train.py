@@ -14,8 +14,9 @@ Train DRT (or its sliding-window baseline) on PG19, on Linux code, or on synthet
 The data must be prepared first: python prepare_pg19.py (PG19), python prepare_code.py (Linux code).
 Config files, then --key=value, change the hyperparameters below and the model's (configurator.py).
 Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues (a
-second Ctrl-C stops at once). A resumed run takes the checkpoint's config, changed by what is given now,
-and repeats an uninterrupted one bit for bit, whatever the GPU count (step_rng).
+second Ctrl-C stops at once). One run at a time per out_dir: a second is refused while the first holds
+out_dir/train.lock. A resumed run takes the checkpoint's config, changed by what is given now, and repeats
+an uninterrupted one bit for bit, whatever the GPU count (step_rng).
 """
 
 import dataclasses
@@ -38,8 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import tasks
-from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, peak_flops, peak_mem_gib,
-                    retrieval_stats, saved_at, sink_label, stopped, unwritable)
+from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, out_dir_lock, peak_flops,
+                    peak_mem_gib, retrieval_stats, saved_at, sink_label, stopped)
 from configurator import ConfigError, configure, keys_of, print_help
 from model import DRT, DRTConfig, cdiv
 
@@ -227,9 +228,9 @@ def estimate_loss(model, raw_model, data, c, autocast):
     return out, retrieval_stats(record, c.topk)
 
 
-def check_run(c, given, ckpt, src, world_size, master, device):
-    """Every setting that needs more than its own value, before a model is built or out_dir made (an error
-    leaves nothing behind) -> (the DRTConfig's fields, the data, micro-batches per step, tokens per step).
+def check_run(c, given, ckpt, src, world_size, device):
+    """Every setting that needs more than its own value, before a model is built (an error leaves nothing behind)
+    -> (the DRTConfig's fields, the data, micro-batches per step, tokens per step).
     The architecture is the checkpoint's if there is one: model keys given now must agree."""
     per_micro = c.batch_size * c.block_size * world_size  # tokens_per_step = grad_accum micro-batches on every rank
     tokens_per_step = c.tokens_per_step or per_micro
@@ -278,8 +279,6 @@ def check_run(c, given, ckpt, src, world_size, master, device):
         raise ConfigError(f"topk={c.topk} is more than a training row can pick: block_size={c.block_size} is {nc} "
                           f"chunks of {T} tokens, and its last chunk reads {nc - 2} at most: use --topk <= {nc - 2} "
                           f"or --block_size >= {(c.topk + 1) * T + 1}")
-    if master and (why := unwritable(c.out_dir)):  # checked last: a run that cannot start leaves no folder behind
-        raise ConfigError(f"out_dir {why}: pass --out_dir=<writable folder>")
     return model_args, data, tokens_per_step // per_micro, tokens_per_step
 
 
@@ -348,7 +347,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
-    model_args, data, grad_accum, tokens_per_step = check_run(c, given, ckpt, src, world_size, master, device)
+    model_args, data, grad_accum, tokens_per_step = check_run(c, given, ckpt, src, world_size, device)
     raw_model, optimizer, iter_num, best_val_loss = build(c, model_args, ckpt, src, device, finetune)
     if ckpt:
         ckpt.clear()  # free it (main holds it too)
@@ -433,7 +432,14 @@ def main(argv=None):
         print_help(__doc__, __file__, DRTConfig)
         return []
     config, given = configure(argv, DEFAULTS, KINDS)
+    # rank 0 holds out_dir's lock from here to the end: a second run into it is refused at once, and what start finds
+    # there (a checkpoint to resume or not to overwrite) stays this run's until it saves
+    with out_dir_lock(config["out_dir"]) if int(os.environ.get("RANK", 0)) == 0 else nullcontext():
+        return start(argv, config, given)
 
+
+def start(argv, config, given):
+    """main's run under out_dir's lock: its checkpoint and config, DDP, Ctrl-C and SIGTERM, then train."""
     # where to start: resuming takes the checkpoint's values of the keys not given now (PER_RUN keys excepted)
     ckpt, src = None, os.path.join(config["out_dir"], "ckpt.pt")
     if config["init_from"] == "resume":
