@@ -400,6 +400,11 @@ def on_signal(signum, frame):  # a second Ctrl-C stops at once; within 1 s it is
         raise KeyboardInterrupt
     if not STOP["signum"]:
         STOP.update(signum=signum, at=time.time())
+        # said now, not when the step ends (minutes on a CPU); by os.write: a print may be what the signal interrupted
+        if int(os.environ.get("RANK", 0)) == 0:
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            os.write(2, f"train.py: {what} received: saving the last finished step, then stopping "
+                        f"(Ctrl-C again to stop now)\n".encode())
 
 
 def catch_signals():  # again at every step boundary: on the GPU, Triton's first compile puts LLVM's handler first

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -670,6 +671,9 @@ def test_ddp_timeout(tmp_path, monkeypatch):
     assert seen["backend"] == "gloo" and seen["timeout"].total_seconds() == 7
 
 
+ACK = "train.py: {} received: saving the last finished step, then stopping (Ctrl-C again to stop now)"
+
+
 def interrupt_after(cmd, pattern):
     """Run cmd, send it one Ctrl-C once its stdout shows pattern -> (exit status, stdout, stderr)."""
     proc = start_run(cmd)
@@ -710,12 +714,13 @@ def test_ctrl_c_saves_and_resumes(tmp_path):
     finally:
         end_run(proc)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved"
+    assert err.splitlines() == [ACK.format("Ctrl-C"), "train.py: interrupted: stopped at once; no checkpoint saved"]
     # one Ctrl-C inside the first evaluation: no step was taken, so nothing is saved (a step-0
     # checkpoint would only make the next run of the same command refuse to overwrite it)
     rc, out, err = interrupt_after([sys.executable, "train.py", *tiny_args(tmp_path, "run3", "--eval_iters=30")],
                                    r"DRT groups")
-    assert rc == 130 and err.strip() == "train.py: interrupted before the first step: nothing saved", err
+    assert rc == 130 and err.splitlines() == [ACK.format("Ctrl-C"), "train.py: interrupted before the first step: "
+                                                                    "nothing saved"], err
     assert not os.path.exists(tmp_path / "run3" / "ckpt.pt")
 
 
@@ -734,6 +739,34 @@ def test_ctrl_c_after_a_library_took_sigint(tmp_path):
     assert rc == 130, (rc, err)  # -2: killed by SIGINT, nothing printed or saved
     m = re.search(r"^train.py: interrupted: saved .* at step (\d+); continue with: ", err, re.M)
     assert m and load_ckpt(tmp_path / "run")["iter_num"] == int(m[1]) >= 3, err
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_sigterm_stops_inside_a_step(tmp_path):
+    """SIGTERM in a step of many micro-batches (one process) is answered at once and stops at the next micro-batch, not
+    at the end of the step: the step under way is dropped, the last finished one saved, and the printed command
+    continues from it exactly as an uninterrupted run."""
+    extra = ["--tokens_per_step=8400", "--max_iters=2", "--eval_interval=100"]  # 120 micro-batches a step: a second
+    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run", *extra)])
+    try:
+        read_until(proc.stdout, r"iter 1/")  # step 2 under way
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        first = proc.stderr.readline()
+        answered = time.time() - t0
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert first == ACK.format("SIGTERM") + "\n" and answered < 30, (first, err)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    m = re.search(r"^train.py: stopped by SIGTERM: saved (.*) at step (\d+); continue with: (python train.py .*)$", err, re.M)
+    assert m and m[1] == str(tmp_path / "run" / "ckpt.pt") and m[2] == "1", err  # step 2 was dropped
+    assert load_ckpt(tmp_path / "run")["iter_num"] == 1
+    rest = train.main(shlex.split(m[3])[2:])
+    full = train.main(tiny_args(tmp_path, "full", *extra))
+    assert [it for it, _ in rest] == [2] and rest == full[1:]
+    a, b = load_ckpt(tmp_path / "run"), load_ckpt(tmp_path / "full")
+    assert all(torch.equal(t, b["model"][k]) for k, t in a["model"].items())
 
 
 def torchrun_tiny(tmp_path, run, *extra):

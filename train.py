@@ -13,10 +13,11 @@ Train DRT (or its sliding-window baseline) on PG19, on Linux code, or on synthet
 
 The data must be prepared first: python prepare_pg19.py (PG19), python prepare_code.py (Linux code).
 Config files, then --key=value, change the hyperparameters below and the model's (configurator.py).
-Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues (a
-second Ctrl-C stops at once). One run at a time per out_dir: a second is refused while the first holds
-out_dir/train.lock. A resumed run takes the checkpoint's config, changed by what is given now, and repeats
-an uninterrupted one bit for bit, whatever the GPU count (step_rng).
+Ctrl-C (or SIGTERM) is answered at once; the run stops at the next micro-batch (under torchrun, the next log
+line), saves its last finished step, and prints the command that continues (a second Ctrl-C stops at once).
+One run at a time per out_dir: a second is refused while the first holds out_dir/train.lock. A resumed run
+takes the checkpoint's config, changed by what is given now, and repeats an uninterrupted one bit for bit,
+whatever the GPU count (step_rng).
 """
 
 import dataclasses
@@ -315,12 +316,16 @@ def save(c, model, optimizer, model_args, iter_num, best_val_loss, val_loss, tok
 
 
 def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp):
-    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss, left on the device (no host sync)."""
+    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss, left on the device (no host sync);
+    None if a signal dropped it."""
     lr = get_lr(iter_num, c)
     for group in optimizer.param_groups:
         group["lr"] = lr
     t_step, step_loss = time.time(), 0
     for micro in range(grad_accum):
+        if micro and STOP["signum"] and not ddp:  # one process stops now, not grad_accum micro-batches later: the step
+            optimizer.zero_grad(set_to_none=True)  # is dropped, the last whole one saved (exact to resume). Under DDP
+            return None, lr  # the ranks' all-reduce pairs their steps: they stop together, at a log line
         if micro:
             progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
         g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
@@ -367,15 +372,16 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
 
     # the loop. iter_num counts the optimizer steps done: all a checkpoint must hold for an exact resume
     start, last, history = iter_num, c.stop_iter or c.max_iters, []
-    resumed = c.init_from == "resume"  # then step `start` was evaluated just before the save
+    resumed = c.init_from == "resume"
+    evaluated = start if resumed else -1  # the step last evaluated: a resume's first was, just before its save
     saved = start  # the step of the checkpoint this run last wrote, or started from: nothing to save before a step
     stop = 0  # the signal that stops every rank at the next step boundary
     loss_sum, t_last, it_last = torch.zeros((), device=device), time.time(), iter_num
     model.train()
     while True:
         catch_signals()  # Ctrl-C and SIGTERM only take note (common.on_signal): the run stops below, between steps
-        if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
-            t_eval = time.time()
+        if master and (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != evaluated:
+            t_eval, evaluated = time.time(), iter_num
             losses, ret = estimate_loss(eval_model, raw_model, data, c, autocast)
             ppl = {k: math.exp(min(v, 700)) for k, v in losses.items()}  # a diverged run is reported, not a crash
             log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {ppl['train']:.2f}), "
@@ -400,6 +406,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             stopped(said if master else "", stop)
 
         step_loss, lr = train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp)
+        if step_loss is None:
+            continue  # dropped by a signal: back at the step boundary, which saves and stops
         loss_sum += step_loss
         iter_num += 1
         if iter_num % c.log_interval == 0 or iter_num == last:
