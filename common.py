@@ -2,8 +2,8 @@
 Small helpers that train.py, sample.py, evaluate.py, bench.py and the prepare scripts share: time and length
 formatting, the --lengths parser, GPT-2's tokenizer, a prepared dataset's meta.json and .bin files (read and
 checked), a DRT's FLOPs per token and a GPU's peak FLOP/s (for MFU), peak memory, the check that an output
-folder is writable, the checkpoint loader (which upgrades older checkpoints), train.py's Ctrl-C handling, and
-retrieval's statistics from DRT's record. Not run on its own.
+folder is writable, the checkpoint loader (which upgrades older checkpoints), train.py's out_dir lock and Ctrl-C
+handling, and retrieval's statistics from DRT's record. Not run on its own.
 
     from common import check_bin, fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, read_meta
 
@@ -17,12 +17,16 @@ import os
 import pickle
 import resource
 import signal
+import socket
 import sys
 import tempfile
 import time
 import zipfile
+from contextlib import contextmanager
 
 import numpy as np
+
+from configurator import ConfigError
 
 # dense bf16 tensor-core peak FLOP/s by device name (the first key found in the name wins: PCIe first)
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
@@ -242,6 +246,93 @@ def unwritable(folder):
     return None
 
 
+# One run per out_dir: two runs into one folder would save over each other's checkpoints, one silently lost.
+# Rank 0 holds out_dir/train.lock, made by an atomic create, for the whole run; a run that died without
+# removing it (SIGKILL, a crash) left it behind, and the next run takes it over.
+LOCK = "train.lock"
+
+
+def start_ticks(pid):
+    """Process pid's start in clock ticks after boot (Linux's /proc), or None: with the pid, it names one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name's ')'
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def lock_holder(path):
+    """The lock at path -> (its text, its run in words, whether that run may still be running)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        age = time.time() - os.path.getmtime(path)
+    except FileNotFoundError:
+        return None, None, False
+    except OSError as e:  # another user's lock, say
+        return "", f"{path} unreadable: {e.strerror}", True
+    try:
+        held = json.loads(text)
+        pid, host, when = int(held["pid"]), held["host"], time.strftime("%F %T", time.localtime(held["started"]))
+    except (ValueError, KeyError, TypeError, OverflowError):  # being written this instant, or damaged
+        return text, f"{path} unreadable", age < 10
+    run = f"pid {pid} on {host}, started {when}"
+    if host != socket.gethostname():  # another machine's processes cannot be asked
+        return text, f"{run}; if that run is gone, remove {path}", True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return text, run, False
+    except PermissionError:  # another user's: alive
+        pass
+    ticks = start_ticks(pid)  # a pid reused since (a container's run is often pid 1) is another process
+    return text, run, None in (ticks, held.get("ticks")) or ticks == held["ticks"]
+
+
+@contextmanager
+def out_dir_lock(folder):
+    """Hold folder's lock while the block runs: a second run into folder is refused at once (a ConfigError
+    naming the first), a dead run's lock is taken over; folder is made, and removed again if it stays empty."""
+    made = not os.path.isdir(folder)
+    if why := unwritable(folder):
+        raise ConfigError(f"out_dir {why}: pass --out_dir=<writable folder>")
+    path = os.path.join(folder, LOCK)
+    mine = json.dumps({"pid": os.getpid(), "ticks": start_ticks(os.getpid()), "host": socket.gethostname(),
+                       "started": time.time()})
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            text, run, alive = lock_holder(path)
+        if alive:
+            raise ConfigError(f"out_dir {folder} is in use by another train.py run ({run}): wait for it to end, "
+                              f"or use another --out_dir")
+        took = f"{path}.{os.getpid()}"  # renamed away, atomically: of two runs taking it over, one gets it
+        try:
+            os.rename(path, took)
+        except FileNotFoundError:  # its run removed it just now, or another run took it over
+            continue
+        with open(took) as f:
+            if f.read() != text:  # a new run's lock, made since we read the dead one's: give it back
+                os.replace(took, path)
+                continue
+        os.remove(took)
+        print(f"out_dir {folder}: taking over the lock of a run that is gone ({run})", flush=True)
+    with os.fdopen(fd, "w") as f:
+        f.write(mine)
+    try:
+        yield
+    finally:  # at the end, on an error, Ctrl-C or SIGTERM; only SIGKILL leaves the lock behind
+        if lock_holder(path)[0] == mine:
+            os.remove(path)
+        if made:
+            try:
+                os.rmdir(folder)  # nothing saved: a run that could not start leaves no folder behind
+            except OSError:
+                pass  # it holds the run's files
+
+
 class CheckpointError(Exception):
     """A checkpoint file that cannot be used: one line, which the scripts show without a traceback."""
 
@@ -309,6 +400,11 @@ def on_signal(signum, frame):  # a second Ctrl-C stops at once; within 1 s it is
         raise KeyboardInterrupt
     if not STOP["signum"]:
         STOP.update(signum=signum, at=time.time())
+        # said now, not when the step ends (minutes on a CPU); by os.write: a print may be what the signal interrupted
+        if int(os.environ.get("RANK", 0)) == 0:
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            os.write(2, f"train.py: {what} received: saving the last finished step, then stopping "
+                        f"(Ctrl-C again to stop now)\n".encode())
 
 
 def catch_signals():  # again at every step boundary: on the GPU, Triton's first compile puts LLVM's handler first

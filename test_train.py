@@ -10,9 +10,11 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,7 @@ from conftest import (
     read_until,
     start_run,
     tiny_args,
+    tiny_checkpoint,
     tiny_dataset,
     tokenizer_or_skip,
 )
@@ -243,6 +246,22 @@ def test_setup_errors(tmp_path):
         train.main(tiny_args(tmp_path, "empty", "--init_from=resume"))
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--needle_loss=0.1"], r"^--needle_loss ranks the asked needle of task rows, which only the task datasets "
+                            r"\(passkey, multikey\) have; --dataset=pg19 is text$"),
+    (["--topk=4"], r"^topk=4 is more than a training row can pick: block_size=35 is 5 chunks of 7 tokens, and its last "
+                   r"chunk reads 3 at most: use --topk <= 3 or --block_size >= 36$"),
+    (["--teacher_iters=7"], r"^teacher_iters=7 must lie in \[0, max_iters=6\]$"),
+], ids=["needle-loss-on-text", "topk-past-the-row", "teacher-past-max-iters"])
+def test_run_settings_refused(tmp_path, extra, message):
+    """Settings that could only waste the run: one line that says why, before anything is made."""
+    with pytest.raises(train.ConfigError, match=message):
+        train.main(tiny_args(tmp_path, "run", *extra))
+    assert not (tmp_path / "run").exists()
+    train.main(tiny_args(tmp_path, "run", "--block_size=36", "--topk=4", "--teacher_iters=6", "--stop_iter=1",
+                         "--eval_iters=1"))  # at the limits: it trains
+
+
 def test_progress(tmp_path, monkeypatch, capsys):
     """A step or an evaluation that runs long says how far it got (here: 'long' made 0 s)."""
     args = tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--tokens_per_step=140")
@@ -307,6 +326,22 @@ def test_resume_conflicting_model(tmp_path):
     assert [it for it, _ in train.main(no_model_keys)] == [2]
 
 
+def test_resume_on_other_data_resets_best(tmp_path, capsys):
+    """A resume on other data (here --dataset=code, as after PG19) starts its best val loss afresh and says so: the
+    best of the old validation rows, lower than any on the new ones, would block every save but the last."""
+    train.main(tiny_args(tmp_path, "run", "--max_iters=4", "--eval_interval=2", "--stop_iter=2"))
+    old = load_ckpt(tmp_path / "run")["best_val_loss"]
+    other = tiny_dataset(tmp_path / "other", vocab=40)  # ids 24-39, which the run never saw: a higher loss
+    capsys.readouterr()
+    train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", "--dataset=code", f"--data_dir={other}",
+                "--eval_interval=1", "--always_save_checkpoint=False"])
+    out = capsys.readouterr().out
+    assert re.search(rf"^resume: dataset, data_dir changed, so the best val loss starts afresh \(the checkpoint's "
+                     rf"{old:.4f} was on other validation rows\)$", out, re.M), out
+    assert f"saved {tmp_path / 'run' / 'ckpt.pt'} at step 3" in out  # the first val loss on code is the best so far
+    assert load_ckpt(tmp_path / "run")["best_val_loss"] > old
+
+
 def test_finetune_from_checkpoint(tmp_path):
     """init_from=<another run>: that run's weights and architecture, a fresh optimizer and schedule
     from step 0, at another block_size (e.g. PG19 weights, then a synthetic task)."""
@@ -335,6 +370,19 @@ def test_finetune_from_checkpoint(tmp_path):
                                          "--teacher_slots=5") if a.split("=")[0][2:] not in train.MODEL_KEYS])
 
 
+def test_finetune_shape_clash_names_its_checkpoint(tmp_path):
+    """A fine-tune asking another shape than its init_from checkpoint's (--groups="(1,1)" from a run trained with one
+    group) is told that the shape comes from that checkpoint, not to start a new out_dir (it is one)."""
+    base = tiny_checkpoint(tmp_path / "base.pt")  # groups=(1,)
+    args = [a for a in tiny_args(tmp_path, "ft", f"--init_from={base}") if a.split("=")[0][2:] not in train.MODEL_KEYS]
+    with pytest.raises(train.ConfigError, match=rf"^init_from checkpoint {re.escape(base)} has groups=\(1,\), the config "
+                                                r"asks \(1, 1\): a fine-tune keeps the shape of the model it starts from, "
+                                                r"so drop --groups \(from the command line or config file\), or fine-tune "
+                                                r"from a run trained with that shape$"):
+        train.main([*args, "--groups=(1,1)"])
+    assert not (tmp_path / "ft").exists()
+
+
 def test_out_dir_with_a_checkpoint(tmp_path):
     """A run from scratch or a fine-tune into an out_dir that holds a checkpoint stops before it
     changes anything, unless told --overwrite=True; the last step is saved even when val never
@@ -353,6 +401,38 @@ def test_out_dir_with_a_checkpoint(tmp_path):
     ckpt = load_ckpt(tmp_path / "run")
     assert ckpt["iter_num"] == 2 and ckpt["config"]["learning_rate"] == 0
     assert json.loads((tmp_path / "run" / "ckpt.json").read_text())["val_loss"] == ckpt["best_val_loss"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_one_run_per_out_dir(tmp_path, capsys):
+    """A second run into an out_dir in use is refused at once, naming the first: resumed, replacing it (--overwrite=True)
+    or not, the two would save over each other. A run's lock goes when it ends, on an error too; a killed run's
+    lock, or one whose pid another process has since, is taken over with a line that says so."""
+    run, lock, args = tmp_path / "run", tmp_path / "run" / "train.lock", tiny_args(tmp_path, "run")  # (its data made once)
+    proc = start_run([sys.executable, "train.py", *args, "--eval_iters=1000000"])
+    try:
+        read_until(proc.stdout, r"DRT groups")  # in its first evaluation: no checkpoint yet
+        for extra in ([], ["--overwrite=True"], ["--init_from=resume"]):
+            with pytest.raises(train.ConfigError, match=rf"^out_dir {re.escape(str(run))} is in use by another train.py "
+                                                        rf"run \(pid {proc.pid} on {re.escape(socket.gethostname())}, "
+                                                        r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\): wait for it to end, "
+                                                        r"or use another --out_dir$"):
+                train.main([*args, *extra])
+        os.killpg(proc.pid, signal.SIGKILL)  # a crash: its lock stays behind
+        proc.wait()
+    finally:
+        end_run(proc)
+    assert json.loads(lock.read_text())["pid"] == proc.pid
+    capsys.readouterr()
+    train.main(tiny_args(tmp_path, "run", "--max_iters=1", "--eval_iters=1"))
+    assert re.search(rf"^out_dir {re.escape(str(run))}: taking over the lock of a run that is gone \(pid {proc.pid} on ",
+                     capsys.readouterr().out, re.M)
+    assert not lock.exists() and load_ckpt(run)["iter_num"] == 1
+    # this process's pid, with another start: a pid reused since the lock was taken (a container's run is often pid 1)
+    lock.write_text(json.dumps({"pid": os.getpid(), "ticks": 0, "host": socket.gethostname(), "started": 0}))
+    with pytest.raises(train.ConfigError, match=r"block_size=14 gives fewer than 3 chunks"):
+        train.main(tiny_args(tmp_path, "run", "--init_from=resume", "--block_size=14"))
+    assert "taking over the lock" in capsys.readouterr().out and not lock.exists()  # released on the error
 
 
 def test_bad_checkpoint_files(tmp_path):
@@ -537,12 +617,12 @@ def test_two_stage_recipe(tmp_path, monkeypatch, capsys):
     tokenizer_or_skip(monkeypatch)
     data = tiny_dataset(tmp_path / "pg19", vocab=50257)  # GPT-2 ids, as prepare_pg19.py writes them
     small = ["--n_embd=32", "--n_head=2", "--batch_size=2", "--block_size=250", "--max_iters=2", "--eval_interval=2",
-             "--eval_iters=1", "--log_interval=1", "--device=cpu"]
+             "--eval_iters=1", "--log_interval=1", "--device=cpu", "--topk=2"]  # 4 chunks: the last reads 2
     pre, ft = tmp_path / "pre", tmp_path / "ft"
     train.main([os.path.join(HERE, "config/passkey_pretrain.py"), *small, f"--data_dir={data}", f"--out_dir={pre}"])
     hist = train.main([os.path.join(HERE, "config/passkey_finetune.py"), *small[2:], f"--init_from={pre}",
                        f"--out_dir={ft}", f"--task_haystack={data}/train.bin", "--task_min_depth=40",
-                       "--block_size=504"])  # 16 keys need ~400 tokens
+                       "--block_size=504", "--teacher_iters=1"])  # 16 keys need ~400 tokens
     assert [it for it, _ in hist] == [1, 2]
     a, b = load_ckpt(pre), load_ckpt(ft)
     assert a["model_args"] == b["model_args"] and b["model_args"]["n_embd"] == 32  # the architecture of stage 1
@@ -594,6 +674,9 @@ def test_ddp_timeout(tmp_path, monkeypatch):
     assert seen["backend"] == "gloo" and seen["timeout"].total_seconds() == 7
 
 
+ACK = "train.py: {} received: saving the last finished step, then stopping (Ctrl-C again to stop now)"
+
+
 def interrupt_after(cmd, pattern):
     """Run cmd, send it one Ctrl-C once its stdout shows pattern -> (exit status, stdout, stderr)."""
     proc = start_run(cmd)
@@ -634,12 +717,13 @@ def test_ctrl_c_saves_and_resumes(tmp_path):
     finally:
         end_run(proc)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert err.strip() == "train.py: interrupted: stopped at once; no checkpoint saved"
+    assert err.splitlines() == [ACK.format("Ctrl-C"), "train.py: interrupted: stopped at once; no checkpoint saved"]
     # one Ctrl-C inside the first evaluation: no step was taken, so nothing is saved (a step-0
     # checkpoint would only make the next run of the same command refuse to overwrite it)
     rc, out, err = interrupt_after([sys.executable, "train.py", *tiny_args(tmp_path, "run3", "--eval_iters=30")],
                                    r"DRT groups")
-    assert rc == 130 and err.strip() == "train.py: interrupted before the first step: nothing saved", err
+    assert rc == 130 and err.splitlines() == [ACK.format("Ctrl-C"), "train.py: interrupted before the first step: "
+                                                                    "nothing saved"], err
     assert not os.path.exists(tmp_path / "run3" / "ckpt.pt")
 
 
@@ -658,6 +742,34 @@ def test_ctrl_c_after_a_library_took_sigint(tmp_path):
     assert rc == 130, (rc, err)  # -2: killed by SIGINT, nothing printed or saved
     m = re.search(r"^train.py: interrupted: saved .* at step (\d+); continue with: ", err, re.M)
     assert m and load_ckpt(tmp_path / "run")["iter_num"] == int(m[1]) >= 3, err
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_sigterm_stops_inside_a_step(tmp_path):
+    """SIGTERM in a step of many micro-batches (one process) is answered at once and stops at the next micro-batch, not
+    at the end of the step: the step under way is dropped, the last finished one saved, and the printed command
+    continues from it exactly as an uninterrupted run."""
+    extra = ["--tokens_per_step=8400", "--max_iters=2", "--eval_interval=100"]  # 120 micro-batches a step: a second
+    proc = start_run([sys.executable, "train.py", *tiny_args(tmp_path, "run", *extra)])
+    try:
+        read_until(proc.stdout, r"iter 1/")  # step 2 under way
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        first = proc.stderr.readline()
+        answered = time.time() - t0
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_run(proc)
+    assert first == ACK.format("SIGTERM") + "\n" and answered < 30, (first, err)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    m = re.search(r"^train.py: stopped by SIGTERM: saved (.*) at step (\d+); continue with: (python train.py .*)$", err, re.M)
+    assert m and m[1] == str(tmp_path / "run" / "ckpt.pt") and m[2] == "1", err  # step 2 was dropped
+    assert load_ckpt(tmp_path / "run")["iter_num"] == 1
+    rest = train.main(shlex.split(m[3])[2:])
+    full = train.main(tiny_args(tmp_path, "full", *extra))
+    assert [it for it, _ in rest] == [2] and rest == full[1:]
+    a, b = load_ckpt(tmp_path / "run"), load_ckpt(tmp_path / "full")
+    assert all(torch.equal(t, b["model"][k]) for k, t in a["model"].items())
 
 
 def torchrun_tiny(tmp_path, run, *extra):

@@ -13,9 +13,11 @@ Train DRT (or its sliding-window baseline) on PG19, on Linux code, or on synthet
 
 The data must be prepared first: python prepare_pg19.py (PG19), python prepare_code.py (Linux code).
 Config files, then --key=value, change the hyperparameters below and the model's (configurator.py).
-Ctrl-C (or SIGTERM) stops at the next step boundary, saves, and prints the command that continues (a
-second Ctrl-C stops at once). A resumed run takes the checkpoint's config, changed by what is given now,
-and repeats an uninterrupted one bit for bit, whatever the GPU count (step_rng).
+Ctrl-C (or SIGTERM) is answered at once; the run stops at the next micro-batch (under torchrun, the next log
+line), saves its last finished step, and prints the command that continues (a second Ctrl-C stops at once).
+One run at a time per out_dir: a second is refused while the first holds out_dir/train.lock. A resumed run
+takes the checkpoint's config, changed by what is given now, and repeats an uninterrupted one bit for bit,
+whatever the GPU count (step_rng).
 """
 
 import dataclasses
@@ -38,8 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import tasks
-from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, peak_flops, peak_mem_gib,
-                    retrieval_stats, saved_at, sink_label, stopped, unwritable)
+from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, out_dir_lock, peak_flops,
+                    peak_mem_gib, retrieval_stats, saved_at, sink_label, stopped)
 from configurator import ConfigError, configure, keys_of, print_help
 from model import DRT, DRTConfig, cdiv
 
@@ -92,6 +94,8 @@ ddp_timeout = 300  # seconds a rank waits in a collective for a dead or hung one
 DEFAULTS, KINDS = keys_of(globals(), DRTConfig)
 MODEL_KEYS = [f.name for f in dataclasses.fields(DRTConfig)]
 PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does: never restored on resume
+VAL_ROWS = ("dataset", "data_dir", "block_size", "task_min_depth", "task_haystack", "task_haystack_frac", "task_keys",
+            "task_templates")  # what the validation rows are made of
 PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
 SAID = {"at": 0.0}  # when progress last said so
 
@@ -111,12 +115,13 @@ def check_config(config):
     positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
     bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
     bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth",
-                                                      "weight_decay") if config[k] < 0]
+                                                      "weight_decay", "needle_loss") if config[k] < 0]
     bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "task_haystack_frac")
             if not 0 <= config[k] <= 1]
     bad += [why for wrong, why in [
         (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
-        (c.teacher_iters < 0, f"teacher_iters={c.teacher_iters} must be >= 0"),
+        (c.teacher_iters < 0 or c.max_iters >= 1 and c.teacher_iters > c.max_iters,
+         f"teacher_iters={c.teacher_iters} must lie in [0, max_iters={c.max_iters}]"),
         (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
         (len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas), f"betas={c.betas} must be two numbers in [0, 1)"),
         (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
@@ -227,9 +232,9 @@ def estimate_loss(model, raw_model, data, c, autocast):
     return out, retrieval_stats(record, c.topk)
 
 
-def check_run(c, given, ckpt, src, world_size, master, device):
-    """Every setting that needs more than its own value, before a model is built or out_dir made (an error
-    leaves nothing behind) -> (the DRTConfig's fields, the data, micro-batches per step, tokens per step).
+def check_run(c, given, ckpt, src, world_size, device):
+    """Every setting that needs more than its own value, before a model is built (an error leaves nothing behind)
+    -> (the DRTConfig's fields, the data, micro-batches per step, tokens per step).
     The architecture is the checkpoint's if there is one: model keys given now must agree."""
     per_micro = c.batch_size * c.block_size * world_size  # tokens_per_step = grad_accum micro-batches on every rank
     tokens_per_step = c.tokens_per_step or per_micro
@@ -242,8 +247,11 @@ def check_run(c, given, ckpt, src, world_size, master, device):
         stored |= {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_args"].items()}  # JSON: lists
         if clash := [k for k in MODEL_KEYS if k in given and arch[k] != stored[k]]:
             said = ", ".join(f"{k}={stored[k]!r}, the config asks {arch[k]!r}" for k in clash)
-            raise ConfigError(f"checkpoint {src} has {said}: drop {' '.join(f'--{k}' for k in clash)} (from the "
-                              f"command line or config file) or start a new out_dir")
+            drop = f"drop {' '.join(f'--{k}' for k in clash)} (from the command line or config file)"
+            if c.init_from == "resume":
+                raise ConfigError(f"checkpoint {src} has {said}: {drop} or start a new out_dir")
+            raise ConfigError(f"init_from checkpoint {src} has {said}: a fine-tune keeps the shape of the model it "
+                              f"starts from, so {drop}, or fine-tune from a run trained with that shape")
         arch = {k: stored[k] for k in MODEL_KEYS}
     try:
         model_args = dataclasses.asdict(DRTConfig(**arch))
@@ -252,24 +260,29 @@ def check_run(c, given, ckpt, src, world_size, master, device):
     vars(c).update(model_args)  # what is built (e.g. landmark_id filled in): the checkpoint's config says so
     if c.teacher_iters and not c.groups:
         raise ConfigError("teacher_iters hands chunks to GCA, which a model without groups lacks")
-    if c.needle_loss and (not is_tasks(c.dataset) or not c.groups or c.read_next or c.needle_loss < 0):
-        raise ConfigError(f"needle_loss={c.needle_loss}: a weight >= 0 for a task dataset (its needles) and a model "
-                          f"with groups and read_next=False")
+    if c.needle_loss and not is_tasks(c.dataset):
+        raise ConfigError(f"--needle_loss ranks the asked needle of task rows, which only the task datasets "
+                          f"({', '.join(tasks.TRAINED)}) have; --dataset={c.dataset} is text")
+    if c.needle_loss and (not c.groups or c.read_next):
+        raise ConfigError("--needle_loss trains Eq. 1's ranking, which needs a model with groups and read_next=False")
     if not c.train_embeddings and c.init_from == "scratch":
         raise ConfigError("train_embeddings=False keeps trained embeddings: fine-tune them with --init_from=<run>")
     if not 0 <= c.teacher_slots <= c.topk:
         raise ConfigError(f"teacher_slots={c.teacher_slots} must lie in [0, topk={c.topk}]")
     model_args["groups"] = list(model_args["groups"])
-    min_len = 2 * (c.chunk_size - 1) + 1  # chunks 0 and 1 retrieve nothing: GCA starts in chunk 2
-    if c.groups and c.block_size < min_len:
+    # chunk t reads the picks of landmark t-1 among the chunks before it: chunks 0 and 1 read none, the last one the most
+    T, nc = c.chunk_size - 1, cdiv(c.block_size, c.chunk_size - 1)
+    if c.groups and nc < 3:
         raise ConfigError(f"block_size={c.block_size} gives fewer than 3 chunks, so GCA would never run: use "
-                          f"block_size >= {min_len} (best a multiple of chunk_size-1={c.chunk_size - 1})")
+                          f"block_size >= {2 * T + 1} (best a multiple of chunk_size-1={T})")
     data = Data(c, device)
     if not data.vocab <= c.landmark_id:
         raise ConfigError(f"the data's token ids reach {data.vocab - 1}, but landmark_id={c.landmark_id} "
                           f"must lie above them: set --landmark_id={data.vocab} (and vocab_size above it)")
-    if master and (why := unwritable(c.out_dir)):  # checked last: a run that cannot start leaves no folder behind
-        raise ConfigError(f"out_dir {why}: pass --out_dir=<writable folder>")
+    if c.groups and c.topk > nc - 2:  # top-k slots that no chunk of a training row could ever fill
+        raise ConfigError(f"topk={c.topk} is more than a training row can pick: block_size={c.block_size} is {nc} "
+                          f"chunks of {T} tokens, and its last chunk reads {nc - 2} at most: use --topk <= {nc - 2} "
+                          f"or --block_size >= {(c.topk + 1) * T + 1}")
     return model_args, data, tokens_per_step // per_micro, tokens_per_step
 
 
@@ -306,12 +319,16 @@ def save(c, model, optimizer, model_args, iter_num, best_val_loss, val_loss, tok
 
 
 def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp):
-    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss, left on the device (no host sync)."""
+    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss, left on the device (no host sync);
+    None if a signal dropped it."""
     lr = get_lr(iter_num, c)
     for group in optimizer.param_groups:
         group["lr"] = lr
     t_step, step_loss = time.time(), 0
     for micro in range(grad_accum):
+        if micro and STOP["signum"] and not ddp:  # one process stops now, not grad_accum micro-batches later: the step
+            optimizer.zero_grad(set_to_none=True)  # is dropped, the last whole one saved (exact to resume). Under DDP
+            return None, lr  # the ranks' all-reduce pairs their steps: they stop together, at a log line
         if micro:
             progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
         g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
@@ -338,7 +355,7 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
-    model_args, data, grad_accum, tokens_per_step = check_run(c, given, ckpt, src, world_size, master, device)
+    model_args, data, grad_accum, tokens_per_step = check_run(c, given, ckpt, src, world_size, device)
     raw_model, optimizer, iter_num, best_val_loss = build(c, model_args, ckpt, src, device, finetune)
     if ckpt:
         ckpt.clear()  # free it (main holds it too)
@@ -358,15 +375,16 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
 
     # the loop. iter_num counts the optimizer steps done: all a checkpoint must hold for an exact resume
     start, last, history = iter_num, c.stop_iter or c.max_iters, []
-    resumed = c.init_from == "resume"  # then step `start` was evaluated just before the save
+    resumed = c.init_from == "resume"
+    evaluated = start if resumed else -1  # the step last evaluated: a resume's first was, just before its save
     saved = start  # the step of the checkpoint this run last wrote, or started from: nothing to save before a step
     stop = 0  # the signal that stops every rank at the next step boundary
     loss_sum, t_last, it_last = torch.zeros((), device=device), time.time(), iter_num
     model.train()
     while True:
         catch_signals()  # Ctrl-C and SIGTERM only take note (common.on_signal): the run stops below, between steps
-        if master and (iter_num % c.eval_interval == 0 or iter_num == last) and not (resumed and iter_num == start):
-            t_eval = time.time()
+        if master and (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != evaluated:
+            t_eval, evaluated = time.time(), iter_num
             losses, ret = estimate_loss(eval_model, raw_model, data, c, autocast)
             ppl = {k: math.exp(min(v, 700)) for k, v in losses.items()}  # a diverged run is reported, not a crash
             log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {ppl['train']:.2f}), "
@@ -391,6 +409,8 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
             stopped(said if master else "", stop)
 
         step_loss, lr = train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp)
+        if step_loss is None:
+            continue  # dropped by a signal: back at the step boundary, which saves and stops
         loss_sum += step_loss
         iter_num += 1
         if iter_num % c.log_interval == 0 or iter_num == last:
@@ -423,7 +443,14 @@ def main(argv=None):
         print_help(__doc__, __file__, DRTConfig)
         return []
     config, given = configure(argv, DEFAULTS, KINDS)
+    # rank 0 holds out_dir's lock from here to the end: a second run into it is refused at once, and what start finds
+    # there (a checkpoint to resume or not to overwrite) stays this run's until it saves
+    with out_dir_lock(config["out_dir"]) if int(os.environ.get("RANK", 0)) == 0 else nullcontext():
+        return start(argv, config, given)
 
+
+def start(argv, config, given):
+    """main's run under out_dir's lock: its checkpoint and config, DDP, Ctrl-C and SIGTERM, then train."""
     # where to start: resuming takes the checkpoint's values of the keys not given now (PER_RUN keys excepted)
     ckpt, src = None, os.path.join(config["out_dir"], "ckpt.pt")
     if config["init_from"] == "resume":
@@ -439,6 +466,12 @@ def main(argv=None):
                 config[k] = stored
             elif k not in MODEL_KEYS and stored != config[k]:  # model keys: train checks them against model_args
                 log(f"resume: {k} {stored!r} -> {config[k]!r} (given now)")
+        if changed := [k for k in VAL_ROWS if ckpt["config"].get(k, config[k]) != config[k]]:
+            # reset, not refused: training on other data may go on with the same optimizer and schedule, but a loss on
+            # other validation rows is no bar for this run's (a lower one would block every save)
+            log(f"resume: {', '.join(changed)} changed, so the best val loss starts afresh (the checkpoint's "
+                f"{ckpt['best_val_loss']:.4f} was on other validation rows)")
+            ckpt["best_val_loss"] = float("inf")
         if ckpt["iter_num"] > config["max_iters"]:
             raise ConfigError(f"{src} is at step {ckpt['iter_num']}, past max_iters={config['max_iters']}: pass "
                               f"--max_iters above {ckpt['iter_num']} to train on")
