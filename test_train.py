@@ -248,7 +248,7 @@ def test_setup_errors(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--needle_loss=0.1"], r"^--needle_loss ranks the asked needle of task rows, which only the task datasets "
-                            r"\(passkey, multikey\) have; --dataset=pg19 is text$"),
+                            r"\(passkey, multikey, vartrack\) have; --dataset=pg19 is text$"),
     (["--topk=4"], r"^topk=4 is more than a training row can pick: block_size=35 is 5 chunks of 7 tokens, and its last "
                    r"chunk reads 3 at most: use --topk <= 3 or --block_size >= 36$"),
     (["--teacher_iters=7"], r"^teacher_iters=7 must lie in \[0, max_iters=6\]$"),

@@ -95,6 +95,7 @@ DEFAULTS, KINDS = keys_of(globals(), DRTConfig)
 MODEL_KEYS = [f.name for f in dataclasses.fields(DRTConfig)]
 PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does: never restored on resume
 VAL_ROWS = ("dataset", "data_dir", "block_size", "task_min_depth", "task_haystack", "task_haystack_frac", "task_keys",
+            "task_chains",
             "task_templates")  # what the validation rows are made of
 PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
 SAID = {"at": 0.0}  # when progress last said so
