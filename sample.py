@@ -265,7 +265,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
                 out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress,
                                            [asked for *_, asked in spans])
             hopped += [hop_hits(spans, picks, T)] if hops else []
-            picks = picks[len(prompt) - 2]
+            every, picks = picks, picks[len(prompt) - 2]
             hit = score(out, answer, enc)
             correct, near = correct + hit, near + in_reach(prompt, answer, T, sight)
             if args.show_misses and not hit:
@@ -275,7 +275,8 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
                                                args.chains)[0]
                 owner = key_owner(needles, re.match(r"\d*", got).group(), want)
                 print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
-                      + (f" (another needle's key: {owner}'s)" if owner else ""), flush=True)
+                      + (f" (another needle's key: {owner}'s)" if owner else "")
+                      + (hop_reads(prompt, spans, every, T, enc) if hops else ""), flush=True)
             if (p := needle_picks(prompt, answer, picks, T)) is not None:
                 picked.append(p)
             kv = state.store.nbytes()
@@ -290,6 +291,20 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
         per_hop = "".join(f" {count_hits(h):>5}" for h in zip(*hopped)) if hops else ""
         print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {hit1:>7} {retrieved:>9} {needle_w:>8}{per_hop} "
               f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
+
+
+def hop_reads(prompt, spans, picks, T, enc):
+    """What each hop's group weighed most at its landmark, as the assignments in that chunk (or 'text')."""
+    said = []
+    for h, (*_, asked) in enumerate(spans):
+        groups = picks[asked]
+        if groups:
+            g = min(h, len(groups) - 1)
+            idx, w = groups[g]
+            chunk = enc.decode(prompt[int(idx[w.argmax()]) * T :][:T].tolist())
+            sets = "; ".join(re.findall(r"VAR \w+ = \w+", chunk)) or "text"
+            said.append(f"group {g + 1} for hop {h + 1}: {sets}")
+    return "; " + ", ".join(said) if said else ""
 
 
 def count_hits(hits):

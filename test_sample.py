@@ -378,6 +378,26 @@ def test_hop_hits_per_group():
     assert tasks.hop_hits([(22, 24, 23), (5, 8, 27)], {23: [early], 27: []}, T) == [None, None]
 
 
+def test_show_misses_names_what_each_hop_read(monkeypatch):
+    """--show_misses on 2-hop: for each hop, the assignments in the chunk its group weighed most (or 'text'),
+    so a miss tells a second hop that fetched the first again from one that fetched nothing."""
+    import random
+
+    import sample
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    T = 63
+    prompt, _, spans = tasks.make_example("vartrack", 3000, random.Random(0), enc, align=T, chains=2, gap=400)
+    (s1, e1, a1), (s2, e2, a2) = spans
+    hop1, hop2 = (enc.decode(prompt[s:e].tolist()).strip(" .") for s, e in ((s1, e1), (s2, e2)))
+    P = lambda j: (torch.tensor([j, 0]), torch.tensor([0.6, 0.1]))  # noqa: E731  chunk j weighed most
+    text_chunk = next(j for j in range(a2 // T) if "VAR" not in enc.decode(prompt[j * T : (j + 1) * T].tolist()))
+    said = sample.hop_reads(prompt, spans, {a1: [P(s1 // T), P(0)], a2: [P(s1 // T), P(text_chunk)]}, T, enc)
+    assert said == f"; group 1 for hop 1: {hop1}, group 2 for hop 2: text", said
+    said = sample.hop_reads(prompt, spans, {a1: [P(s2 // T)], a2: [P(s1 // T)]}, T, enc)  # one group: both hops
+    assert said == f"; group 1 for hop 1: {hop2}, group 1 for hop 2: {hop1}", said
+
+
 def test_wilson_interval():
     """The Wilson interval's bounds are the proportions x where the score test |p - x| / se(x), se(x)
     = sqrt(x (1 - x) / n), equals z = 1.96; it holds p and stays in [0, 1], at 0/n and n/n too."""
