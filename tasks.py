@@ -33,7 +33,7 @@ TextRows those of a prepared text dataset, with copy_row's rows mixed in (--copy
 Scoring (sample.py): score, and for the test table's other columns in_reach, needle_picks and wilson.
 
     from tasks import make_example, get_batch
-    prompt, answer = make_example("passkey", 4096, random.Random(0), enc, align=63)
+    prompt, answer, hops = make_example("passkey", 4096, random.Random(0), enc, align=63)
 """
 
 import functools
