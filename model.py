@@ -617,7 +617,7 @@ class DRT(nn.Module):
         entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=False: logits
         None, the loss never holding (B, T, vocab). state: a StreamState to continue, else one training row.
         picks (n, K) or (B, n, K): chunks the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a
-        teacher or an oracle. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w).
+        teacher or an oracle; (B, G, n, K): each group its own. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w).
         needles (B, G, n): for a whole row, the chunk each group's Eq. 1 at each landmark should rank first (-1: none);
         then forward returns (logits, loss, needle_rank_loss summed over the groups). loss_span=A (with return_logits=False):
         each row's targets lie within A positions of its first (a task's answer), so only those are scored."""
@@ -660,7 +660,8 @@ class DRT(nn.Module):
             made, carried, mem = None, state.picks[g] if state else None, None  # carried: picks made before idx
             if n:  # the group's input at the landmarks (Eq. 1's query), or pool_tokens' centred means
                 h = pooled if cfg.pool_tokens else x[:, S - 1 - offset : n * S - offset : S]  # (B, n, C)
-                made = self.retrieve(g, h, chunk_ids, memory, picks, record)  # (idx, w) (B, n, K)
+                handed = picks[:, g] if picks is not None and picks.dim() == 4 else picks  # per group, or for all
+                made = self.retrieve(g, h, chunk_ids, memory, handed, record)  # (idx, w) (B, n, K)
                 if needles is not None:  # a training row: chunk_ids are 0 .. n-1, memory.l the row's landmarks
                     ranking.append(needle_rank_loss(self.ret_norm[g](h), memory.l, needles[:, g]))
             if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read

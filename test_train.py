@@ -906,6 +906,39 @@ def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
     assert not any(handed for is_training, handed in seen if not is_training)
 
 
+def test_teacher_hops_hands_each_group_its_hop(tmp_path, monkeypatch):
+    """--teacher_hops: where a group has a needle label, the teacher's chunks go to the labelled groups alone (2-hop:
+    group 1 "VAR Y = X." a chunk ahead, group 2 the key; the other group picks by Eq. 1 there); elsewhere to all.
+    Per-group picks that agree are the shared picks; a run trains with them; without a teacher it is refused."""
+    from conftest import tiny_model, tokens
+    picks = torch.arange(2 * 4 * 3).view(2, 4, 3)  # (B, n, K)
+    labels = torch.full((2, 2, 4), -1)  # (B, G, n)
+    labels[0, 0, 2], labels[0, 1, 3] = 0, 1  # row 0: two hops
+    labels[1, :, 3] = 1  # row 1: one hop, every group
+    got = train.per_hop(picks, labels)
+    assert got.shape == (2, 2, 4, 3)
+    assert (got[0, 0, 3] == -1).all() and (got[0, 1, 2] == -1).all()  # each hop's landmark: its group alone
+    assert torch.equal(got[0, 0, 2], picks[0, 2]) and torch.equal(got[0, 1, 3], picks[0, 3])
+    assert torch.equal(got[0, :, :2], picks[0, None, :2].expand(2, 2, 3))  # unlabelled landmarks: every group
+    assert torch.equal(got[1], picks[1, None].expand(2, 4, 3))
+    model = tiny_model(groups=(1, 1)).eval()
+    idx = tokens(model.config, 2, 60, seed=1)
+    handed = torch.randint(0, 3, (2, 60 // 7, model.config.topk)).masked_fill(torch.rand(2, 60 // 7, 3) < 0.5, -1)
+    handed = handed.minimum(torch.arange(60 // 7)[None, :, None] - 1)  # earlier chunks, or -1
+    with torch.no_grad():
+        shared = model(idx, torch.zeros_like(idx), picks=handed)[0]
+        per_group = model(idx, torch.zeros_like(idx), picks=handed[:, None].expand(-1, 2, -1, -1))[0]
+    assert torch.equal(shared, per_group)
+    tokenizer_or_skip(monkeypatch)
+    args = ["--dataset=vartrack", "--task_chains=2", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,1",
+            "--n_enc=1", "--chunk_size=8", "--window=16", "--topk=3", "--block_size=700", "--batch_size=2",
+            "--tokens_per_step=0", "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--device=cpu",
+            "--teacher_iters=2", "--teacher_slots=1", f"--out_dir={tmp_path / 'h'}"]
+    assert all(np.isfinite(loss) for _, loss in train.main(args + ["--teacher_hops=True"]))
+    with pytest.raises(train.ConfigError, match="teacher_hops .* needs --teacher_iters"):
+        train.main(args[:-3] + ["--teacher_hops=True", f"--out_dir={tmp_path / 'h2'}"])
+
+
 def test_teacher_hands_over_the_asked_needle(monkeypatch):
     """config/passkey_finetune.py's teacher: on stage 2's rows (passkey and 2-16-key multi-key, three phrasings),
     the one chunk it hands the landmark that serves the answer is the chunk of the needle asked for, which

@@ -61,6 +61,7 @@ data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
 teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
+teacher_hops = False  # task rows: a landmark where some group has a needle label hands the teacher's chunks to those groups alone (an experiment)
 needle_loss = 0.0  # task rows: weight of model.needle_rank_loss, Eq. 1 ranking the asked needle first in the batch
 train_embeddings = True  # False: a fine-tune keeps init_from's token embeddings (and so the tied output layer)
 # synthetic tasks (tasks.py)
@@ -189,6 +190,16 @@ def teacher_picks(idx, cfg, slots=0):
     return torch.cat([torch.full_like(picks[..., keep:], -1), picks[..., :keep]], -1)
 
 
+def per_hop(picks, labels):
+    """teacher_hops: picks (B, n, K) -> (B, G, n, K), each group's: at a landmark where some group has a needle label
+    (tasks.needle_labels (B, G, n)) the teacher's chunks go to the labelled groups alone, the others pick by Eq. 1
+    (-1). In a 2-hop row group 1 then reads "VAR X = 12345." only if it finds it, so the answer must come through
+    group 2."""
+    labelled = labels >= 0  # (B, G, n)
+    keep = labelled | ~labelled.any(1, keepdim=True)
+    return picks[:, None].masked_fill(~keep[..., None], -1)
+
+
 def step_rng(*parts):
     """A random.Random that is a fixed function of parts (str seeds go through SHA-512: the same everywhere)."""
     return random.Random(":".join(map(str, parts)))
@@ -261,6 +272,9 @@ def check_run(c, given, ckpt, src, world_size, device):
     vars(c).update(model_args)  # what is built (e.g. landmark_id filled in): the checkpoint's config says so
     if c.teacher_iters and not c.groups:
         raise ConfigError("teacher_iters hands chunks to GCA, which a model without groups lacks")
+    if c.teacher_hops and not (c.teacher_iters and is_tasks(c.dataset)):
+        raise ConfigError("teacher_hops splits the teacher's chunks by the needles of task rows: it needs "
+                          "--teacher_iters and a task dataset")
     if c.needle_loss and not is_tasks(c.dataset):
         raise ConfigError(f"--needle_loss ranks the asked needle of task rows, which only the task datasets "
                           f"({', '.join(tasks.TRAINED)}) have; --dataset={c.dataset} is text")
@@ -333,9 +347,13 @@ def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum,
         if micro:
             progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
         g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-        x, y, *needles = data.batch("train", step_rng(c.seed, "train", iter_num, g), True, c.needle_loss > 0)
+        x, y, *needles = data.batch("train", step_rng(c.seed, "train", iter_num, g), True,
+                                    c.needle_loss > 0 or c.teacher_hops)
         torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
         picks = teacher_picks(x, raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None  # (B, n, K) or None
+        if picks is not None and c.teacher_hops:
+            picks = per_hop(picks, needles[0])  # (B, G, n, K)
+        needles = needles if c.needle_loss > 0 else []
         with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
             with autocast:
                 _, loss, *ranking = model(x, y, return_logits=False, picks=picks, needles=needles[0] if needles else None,
