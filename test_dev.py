@@ -1,0 +1,43 @@
+"""
+Tests of the scripts in dev/: the side-by-side runner, on commands that finish, fail, save on SIGTERM or ignore it.
+"""
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dev"))
+import side_by_side  # noqa: E402
+
+SAVES_ON_TERM = (f'{sys.executable} -c "import signal, sys, time; '
+                 f'signal.signal(signal.SIGTERM, lambda *a: (print(\'saved\', flush=True), sys.exit(0))); '
+                 f'print(\'started\', flush=True); time.sleep(60)"')
+IGNORES_TERM = (f'{sys.executable} -c "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); '
+                f'print(\'started\', flush=True); time.sleep(60)"')
+
+
+def test_side_by_side_runs_logs_and_stops(tmp_path, capsys):
+    """Each run has its own log; runs going at the deadline get SIGTERM (one that saves on it exits 0), one that
+    ignores it gets SIGKILL after the grace; the others' exit codes are theirs; all in parallel, not in turn."""
+    t0 = time.time()
+    codes = side_by_side.main(["--deadline=2", "--grace=2", f"--logs={tmp_path}", "ok:echo hello",
+                               "fails:exit 3", f"saves:{SAVES_ON_TERM}", f"stubborn:{IGNORES_TERM}"])
+    took = time.time() - t0
+    assert codes["ok"] == 0 and codes["fails"] == 3 and codes["saves"] == 0 and codes["stubborn"] == -9
+    assert 4 <= took < 20  # the deadline, then the grace: not 60 s of sleep, nor the runs one after another
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in codes}
+    assert logs["ok"].splitlines() == ["+ echo hello", "hello"]
+    assert logs["saves"].splitlines()[-2:] == ["started", "saved"]
+    out = capsys.readouterr().out
+    assert "deadline 2 s: SIGTERM" in out and "2 s later: SIGKILL" in out
+    assert "== saves: exit 0\n" in out and "   started\n   saved\n== stubborn: exit -9" in out
+
+
+@pytest.mark.parametrize("runs, message", [(["nocolon"], "expected NAME:COMMAND"), ([":echo"], "expected NAME"),
+                                           (["a:echo", "a:echo"], "two runs share a name")])
+def test_side_by_side_refuses_bad_runs(runs, message, capsys):
+    with pytest.raises(SystemExit):
+        side_by_side.main(runs)
+    assert message in capsys.readouterr().err
