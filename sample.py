@@ -33,7 +33,7 @@ import common
 from common import fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
 from model import DRT, DRTConfig, skim_margin, window_reach
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, in_reach, key_owner, make_example
-from tasks import CHAINS, hop_gap, hop_hits, min_length, needle_picks, needles_and_question, score, wilson
+from tasks import CHAINS, hop_hits, hop_spacing, min_length, needle_picks, needles_and_question, score, wilson
 
 # -----------------------------------------------------------------------------
 # Generation: a checkpoint, a prompt, model.generate
@@ -184,7 +184,8 @@ def answer_prompt(model, prompt, n, state, segment, progress=None, marks=()):
 def prompt_kwargs(args, cfg, depth=None):
     """make_example's arguments for the test flags and one --depth bin."""
     kw = dict(names=UNSEEN_NAMES if args.unseen_names else NAMES, keys=args.keys, template=args.template,
-              digits=args.digits, chains=args.chains, lead=not args.no_lead, gap=hop_gap(cfg))
+              digits=args.digits, chains=args.chains, lead=not args.no_lead,
+              spacing=hop_spacing(cfg))
     if depth == "reach":  # the fewest tokens that, landmarks counted, span the reach in positions
         reach = window_reach(cfg)
         kw["past"] = reach - reach // cfg.chunk_size
@@ -237,7 +238,8 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     hops = task == "vartrack"  # the per-group columns: hop h's hit@1 in group h (or the last)
     variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
                 f"{args.chains} chains ({args.chains + 1} needles for one retrieval, top-{cfg.topk}), hops "
-                f"{kw['gap']:,} tokens apart, the question asked {'in one piece' if args.no_lead else 'a chunk ahead'}"
+                f"{kw['spacing'][0]:,} tokens apart and hop 1 {kw['spacing'][1]:,} before the end, the question asked "
+                f"{'in one piece' if args.no_lead else 'a chunk ahead'}"
                 f"; hop h's hit@1 in group {'h' if len(cfg.groups) > 1 else '1'}": hops,
                 f"{args.digits}-digit numbers": args.digits != 5,
                 f"the asked needle at depth {depth}": depth not in (None, "reach"),

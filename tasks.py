@@ -186,7 +186,7 @@ def occurrences(ids, answer):
 
 
 def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None, names=NAMES, keys=4,
-                 template="key", digits=5, depth=None, past=None, chains=CHAINS, lead=True, gap=0):
+                 template="key", digits=5, depth=None, past=None, chains=CHAINS, lead=True, spacing=(0, 0)):
     """A prompt of `length` tokens (filler with the needles at random depths, none before token
     min_depth, the question at the end) -> (prompt, the answer's token ids (a list), hops: for each needle
     retrieval must bring back, in hop order, its (start, end) token span and the token whose chunk's landmark
@@ -196,8 +196,9 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
     names, keys, template, digits, chains: as needles_and_question. depth (a fraction of the filler, 0 to 1)
     puts the asked needle there (RULER's depth bins), the others at random; past=n puts it so that
     its key's last mention ends n tokens before the prompt's last token, the others before it.
-    Two hops: lead (with align) asks the question a chunk ahead (the module's docstring); gap: the fewest
-    tokens between the hops' needles, so that no chunk's memory holds both (its lower windows' reach)."""
+    Two hops: lead (with align) asks the question a chunk ahead (the module's docstring); spacing (gap, far): the
+    hops' needles lie gap tokens apart at least, hop 1's ends far tokens before the prompt's end (hop_spacing; one
+    hop: ignored)."""
     needles, question, answer, hops = needles_and_question(task, rng, names, keys, template, digits, chains)
     needles = [np.array(enc.encode_ordinary(t), dtype=np.int64) for t in needles]
     question, answer = np.array(enc.encode_ordinary(question), dtype=np.int64), enc.encode_ordinary(answer)
@@ -221,19 +222,28 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
         if not min_depth <= at <= n_fill:
             raise ValueError(f"length {length} is too short for a {task} prompt with its key {past} tokens "
                              f"before the end")
-    for _ in range(100):  # one draw, unless two hops fall nearer than gap
-        cuts = sorted(rng.randrange(min_depth, (n_fill if past is None else at) + 1) for _ in needles)  # in order
-        if at is not None:
-            cuts[ask] = at
-        order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask))  # the asked one last at a tie
-        starts, n = {}, 0
-        for i in order:
-            starts[i] = cuts[i] + n
-            n += len(needles[i])
-        if all(abs(starts[a] - starts[b]) >= gap for a, b in zip(hops, hops[1:])):
-            break
-    else:
-        raise ValueError(f"length {length} is too short for a {task} prompt whose hops lie {gap} tokens apart")
+    draw = lambda n, lo, hi: sorted(rng.randrange(lo, hi + 1) for _ in range(n))  # noqa: E731  n cuts, in order
+    gap, far = spacing
+    if len(hops) < 2 or not (gap or far):  # one hop: spacing has nothing to part
+        cuts = draw(len(needles), min_depth, n_fill if past is None else at)
+    elif at is not None:
+        raise ValueError("spacing places two hops, whose needles keep their order: not with depth or past")
+    else:  # hop 1's needle k ("VAR Y = X.") follows hop 2's: it ends far before the prompt's end, gap after hop 2
+        k = max(hops)
+        last = min(n_fill, n_fill + sum(map(len, needles[k + 1 :])) + len(question) + n_pad - far)  # k's latest cut
+        if last - gap < min_depth:
+            raise ValueError(f"length {length} is too short for a {task} prompt whose hops lie {gap} tokens apart "
+                             f"and {far} before its end")
+        cuts = draw(k + 1, min_depth, last - gap)
+        cuts[k] += gap
+        cuts += draw(len(needles) - k - 1, cuts[k], n_fill)
+    if at is not None:
+        cuts[ask] = at
+    order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask))  # the asked one last at a tie
+    starts, n = {}, 0
+    for i in order:
+        starts[i] = cuts[i] + n
+        n += len(needles[i])
     fill = filler(n_fill + n_pad, rng, enc, haystack)
     parts, last = [], 0
     for i in order:
@@ -267,14 +277,14 @@ def min_length(task, seed, enc, align=None, **kw):
 
 
 def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac=1.0, min_depth=0, align=None,
-              names=NAMES, keys=(4, 4), templates=("key",), chains=(CHAINS, CHAINS)):
+              names=NAMES, keys=(4, 4), templates=("key",), chains=(CHAINS, CHAINS), spacing=(0, 0)):
     """A training batch: x, y (B, seq_len) int64 and hop1 (B, 2). Each row: a prompt of one of `tasks` (a name or
     a list: one drawn per row), its answer, then filler to the end of the row. The prompt takes
     real text from the haystack with probability haystack_frac (else the repeated sentences).
     The answer is followed by ANSWER_END, as the key is in its needle. y is the next token at the
     answer's and ANSWER_END's positions alone (-1 elsewhere): the model has learned text and copying
     in stage 1. names: multi-key's; keys (lo, hi): its needle count, drawn per row; templates: one
-    drawn per row; chains (lo, hi): vartrack's, drawn per row. hop1: in a 2-hop row, the
+    drawn per row; chains (lo, hi): vartrack's, drawn per row; spacing: its hops' (make_example). hop1: in a 2-hop row, the
     middle token of the first hop's needle and the last token of the chunk whose landmark must fetch it (-1:
     one hop). A choice of one draws nothing from rng."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -288,7 +298,7 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
         template = rng.choice(templates) if len(templates) > 1 else templates[0]
         m = rng.randint(*chains) if task == "vartrack" and chains[0] < chains[1] else chains[0]
         prompt, answer, hops = make_example(task, seq_len + 1 - MAX_ANSWER, rng, enc, hs, min_depth, align, names,
-                                            n, template, chains=m)
+                                            n, template, chains=m, spacing=spacing)
         if len(hops) > 1:
             hop1[b] = torch.tensor([(hops[0][0] + hops[0][1]) // 2, hops[0][2]])
         answer = answer + enc.encode_ordinary(ANSWER_END)
@@ -317,7 +327,8 @@ class TaskRows:
         self.align = c.chunk_size - 1  # questions aligned (Appendix D)
         self.names = {"train": word_pool(self.enc), "val": word_pool(self.enc, (9, 12))}  # val's: never trained
         self.keys, self.templates = parse_range(c.task_keys, 2, 16), tuple(c.task_templates.split(","))
-        self.chains = parse_range(c.task_chains, 2, 16)  # 2-hop's; its hops may lie near each other in training
+        self.chains = parse_range(c.task_chains, 2, 16)  # 2-hop's
+        self.spacing = hop_spacing(c, test=False)  # each 2-hop row needs both hops, as a test prompt does
         try:
             self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
         except (OSError, ValueError) as e:
@@ -326,7 +337,7 @@ class TaskRows:
             for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
                              min_depth=c.task_min_depth, align=self.align, names=self.names["train"], keys=self.keys[1],
-                             template=template, chains=self.chains[1])
+                             template=template, chains=self.chains[1], spacing=self.spacing)
         except ValueError as e:
             raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
 
@@ -335,7 +346,8 @@ class TaskRows:
         pool."""
         c = self.c
         return get_batch(self.tasks, c.batch_size, c.block_size, rng, self.enc, self.haystack, c.task_haystack_frac,
-                         c.task_min_depth, self.align, self.names[split], self.keys, self.templates, self.chains)
+                         c.task_min_depth, self.align, self.names[split], self.keys, self.templates, self.chains,
+                         self.spacing)
 
 
 class TextRows:
@@ -421,10 +433,14 @@ def needle_labels(x, y, T, groups=1, hop1=None):
     return torch.from_numpy(labels)
 
 
-def hop_gap(cfg):
-    """The fewest tokens between the hops' needles of a test prompt: more than a chunk's memory sees back through the
-    lower windows (n_lower x W positions), plus two chunks, so that no memory holds two hops (cfg: a DRTConfig)."""
-    return cfg.n_lower * cfg.window + 2 * cfg.chunk_size
+def hop_spacing(cfg, test=True):
+    """make_example's spacing (gap, far) of a 2-hop prompt, so that it takes two retrievals (cfg: a DRTConfig, or
+    train.py's config). far = (n_lower + 1) x W: hop 1's needle ends beyond what the windows carry to the landmark
+    serving the answer by the time group 2's query forms there (after the lower layers and group 1's), so X reaches
+    that query only through group 1's read. gap: the hops' fewest tokens apart; in a test n_lower x W + 2 chunks, more
+    than a chunk's memory sees back through the lower windows, so no chunk holds both; in training (test=False) 2
+    chunks, as far as a row of 16 chunks allows with hop 1 far: no chunk or its neighbour holds both."""
+    return (cfg.n_lower * cfg.window if test else 0) + 2 * cfg.chunk_size, (cfg.n_lower + 1) * cfg.window
 
 
 def hop_hits(hops, picks, T):

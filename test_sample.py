@@ -60,7 +60,8 @@ def test_tasks(task, monkeypatch):
 def test_vartrack_needs_two_hops(monkeypatch):
     """vartrack: chains, each assigned before it is copied, all names and numbers distinct; the asked one's number
     is the answer and no other chain resolves to it, so it is reachable only through the asked chain; hops name
-    the asked chain's two needles in the order retrieval needs them, gap tokens apart at least."""
+    the asked chain's two needles in the order retrieval needs them, gap tokens apart at least and hop 1 far before the
+    end (make_example's spacing)."""
     import random
 
     import tasks
@@ -68,7 +69,7 @@ def test_vartrack_needs_two_hops(monkeypatch):
     rng, first = random.Random(0), 0
     for i in range(20):
         chains = 2 + i % 7
-        prompt, answer, hops = tasks.make_example("vartrack", 1500, rng, enc, chains=chains, gap=300)
+        prompt, answer, hops = tasks.make_example("vartrack", 1500, rng, enc, chains=chains, spacing=(300, 400))
         text, want = enc.decode(prompt.tolist()), enc.decode(answer).strip()
         sets = re.findall(r"VAR (\w+) = (\w+)\.", text)
         values = {name: v for name, v in sets if v.isdigit()}
@@ -82,7 +83,7 @@ def test_vartrack_needs_two_hops(monkeypatch):
             assert text.index(f"VAR {src} = ") < text.index(f"VAR {name} = ")
         spans = [enc.decode(prompt[a:b].tolist()) for a, b, _ in hops]
         assert spans == [f" VAR {asked} = {copies[asked]}.", f" VAR {copies[asked]} = {want}."]
-        assert abs(hops[0][0] - hops[1][0]) >= 300
+        assert hops[0][0] - hops[1][0] >= 300 and len(prompt) - hops[0][1] >= 400
         first += [n for n, _ in sets].index(copies[asked]) == 0
     assert 0 < first < 20  # the asked chain comes first or not
 
@@ -387,7 +388,7 @@ def test_show_misses_names_what_each_hop_read(monkeypatch):
     import tasks
     enc = tokenizer_or_skip(monkeypatch)
     T = 63
-    prompt, _, spans = tasks.make_example("vartrack", 3000, random.Random(0), enc, align=T, chains=2, gap=400)
+    prompt, _, spans = tasks.make_example("vartrack", 3000, random.Random(0), enc, align=T, chains=2, spacing=(400, 0))
     (s1, e1, a1), (s2, e2, a2) = spans
     hop1, hop2 = (enc.decode(prompt[s:e].tolist()).strip(" .") for s, e in ((s1, e1), (s2, e2)))
     P = lambda j: (torch.tensor([j, 0]), torch.tensor([0.6, 0.1]))  # noqa: E731  chunk j weighed most
@@ -506,7 +507,7 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     rows = [line for line in out.splitlines()
             if re.match(r"\s+(1K|2K)\s+2\s+\d+\.\d% \[\d+-\d+\]\s+\d\s+(\d/\d|-)\s+(\d/\d|-)\s", line)]
     assert len(rows) == 4, out  # two lengths x two tasks
-    assert "2 chains (3 needles for one retrieval, top-2), hops 256 tokens apart, the question asked a chunk ahead" in out
+    assert "2 chains (3 needles for one retrieval, top-2), hops 256 tokens apart and hop 1 " in out
     hop_rows = [line.split()[8:10] for line in rows if len(line.split()) == 14]  # vartrack's: hop1, hop2 columns
     assert len(hop_rows) == 2 and all(re.fullmatch(r"\d/\d|-", h) for row in hop_rows for h in row), out
 

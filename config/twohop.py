@@ -12,5 +12,6 @@
 # which for these rows are the two hops at their two landmarks.
 out_dir = "out-twohop"
 init_from = "out-pre2"
-dataset = "passkey,multikey,vartrack"
+dataset = "passkey,multikey,vartrack,vartrack"  # half the rows 2-hop
 task_chains = "2-8"  # 4-16 needles a prompt; the tests ask among 6 chains
+teacher_hops = True  # while the teacher hands chunks, hop 2's goes to group 2 alone: the answer comes through it
