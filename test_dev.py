@@ -1,5 +1,6 @@
 """
-Tests of the scripts in dev/: the side-by-side runner, on commands that finish, fail, save on SIGTERM or ignore it.
+Tests of the scripts in dev/: the side-by-side runner, on commands that finish, fail, save on SIGTERM or ignore it;
+the golden check, which must find a value that changed.
 """
 
 import os
@@ -41,3 +42,22 @@ def test_side_by_side_refuses_bad_runs(runs, message, capsys):
     with pytest.raises(SystemExit):
         side_by_side.main(runs)
     assert message in capsys.readouterr().err
+
+
+def test_golden_saves_checks_and_finds_a_change(tmp_path):
+    """dev/golden.py: --check after --save finds every value bit for bit the same; a value changed in the file (one
+    gradient entry by one part in 10^6) is named, and the check fails."""
+    import subprocess
+
+    import torch
+    golden = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dev", "golden.py")]
+    file = str(tmp_path / "golden.pt")
+    subprocess.run(golden + ["--save", file, "--parts=a"], check=True, capture_output=True)
+    ok = subprocess.run(golden + ["--check", file, "--parts=a"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "bit for bit the same" in ok.stdout, ok.stdout + ok.stderr
+    values = torch.load(file)
+    key = next(k for k in values if ".grad.upper.0.q_proj" in k)
+    values[key].view(-1)[0] *= 1 + 1e-6
+    torch.save(values, file)
+    bad = subprocess.run(golden + ["--check", file, "--parts=a"], capture_output=True, text=True)
+    assert bad.returncode == 1 and f"{key}: 1 of {values[key].numel()} differ" in bad.stdout, bad.stdout + bad.stderr
