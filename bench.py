@@ -2,15 +2,15 @@
 Benchmarks on one CUDA GPU, each printing a table: the FlashGCA kernel, a training step of the
 whole model, and streaming a long context.
 
-    python bench.py --kernel                 # FlashGCA (gca_kernel.py) vs the naive PyTorch GCA
+    python bench.py --kernel                 # FlashGCA (gca_kernel.py) vs the PyTorch reference GCA
     python bench.py --kernel --check         # first: the kernel's errors vs an fp32 reference (exit 1 if off)
     python bench.py --kernel --sweep         # first: try num_warps/num_stages per kernel, print the best
     python bench.py --train                  # a training step: DRT vs the sliding-window baseline, kernel vs PyTorch GCA
     python bench.py --long                   # streaming a long context: time and GPU/host memory vs length
     python bench.py --long --lengths=1M,4M,16M --n_embd=256 --offload
 
---kernel times forward and forward+backward of FlashGCA and of the naive path (gather the picked
-chunks, einsum, softmax) at DRT's training shape and variations: time (triton.testing.do_bench
+--kernel times forward and forward+backward of FlashGCA and of the PyTorch path the model takes without it
+(model.gca_reference: a pick at a time, gather, einsum, softmax in fp32) at DRT's training shape and variations: time (triton.testing.do_bench
 median, 25 ms warmup), TFLOP/s and peak memory above what was allocated before the call (forward:
 with autograd on, so it includes the saved tensors). FLOPs follow the flash-attention convention:
 fwd = 4*B*C*K*H*S*S*D (per pick, q k^T and p v), fwd+bwd = 3.5 * fwd; the kernels execute more
@@ -39,7 +39,7 @@ import torch
 import common
 import model as drt
 from common import MAX_LENGTH, fmt_len, parse_lengths, peak_flops, peak_mem_gib, reset_peak_mem, stream_memory_error
-from model import DRT, DRTConfig
+from model import DRT, DRTConfig, gca_reference
 
 # -----------------------------------------------------------------------------
 # --kernel
@@ -56,16 +56,6 @@ SHAPES = [
     (4, 260, 260, 64, 24, 32, 8, torch.bfloat16, ""),
     (4, 260, 260, 64, 6, 128, 8, torch.bfloat16, ""),
 ]
-
-
-def gca_naive(q, k_mem, v_mem, idx, w):
-    """The PyTorch path: gathered copies of the picked K/V, softmax in fp32."""
-    B, C, S, H, D = q.shape
-    k = k_mem[torch.arange(B, device=q.device)[:, None, None], idx]  # (B, C, K, S, H, D)
-    v = v_mem[torch.arange(B, device=q.device)[:, None, None], idx]  # (B, C, K, S, H, D)
-    s = torch.einsum("bcshd,bckthd->bchkst", q, k) / math.sqrt(D)  # (B, C, H, K, S, S)
-    p = s.float().softmax(-1).to(q.dtype) * w[:, :, None, :, None, None].to(q.dtype)
-    return torch.einsum("bchkst,bckthd->bcshd", p, v)  # (B, C, S, H, D)
 
 
 def make_inputs(shape, seed=0, device="cuda"):
@@ -103,7 +93,7 @@ def rel(x, ref):
 
 
 def check(flash_gca):
-    """Kernel vs the naive path in fp32, at the training shape: o and all grads. True if all pass."""
+    """Kernel vs the reference in fp32, at the training shape: o and all grads. True if all pass."""
     ok, tol = True, {torch.bfloat16: 2e-2, torch.float16: 5e-3}
     for dtype in (torch.bfloat16, torch.float16):
         q, k, v, idx, w, do = make_inputs((*SHAPES[0][:7], dtype, ""), seed=1)
@@ -112,7 +102,7 @@ def check(flash_gca):
         o = flash_gca(ins[0], ins[1], ins[2], idx, ins[3])
         grads = torch.autograd.grad(o, ins, do)
         ref_ins = [x.float().requires_grad_() for x in (q, k, v, w)]
-        o_ref = gca_naive(ref_ins[0], ref_ins[1], ref_ins[2], idx, ref_ins[3])
+        o_ref = gca_reference(ref_ins[0], ref_ins[1], ref_ins[2], idx, ref_ins[3])
         ref_grads = torch.autograd.grad(o_ref, ref_ins, do.float())
         errs = {"o": rel(o, o_ref)}
         errs.update({n: rel(g, r) for n, g, r in zip(("dq", "dk", "dv", "dw"), grads, ref_grads)})
@@ -173,7 +163,7 @@ def bench_kernel(args):
         ins = [x.requires_grad_() for x in (q, k, v, w)]
         flops = 4 * B * C * K * H * S * S * D
         flash = functools.partial(gca_kernel.flash_gca, check_idx=False)  # time the kernels, not the idx check's sync
-        for path, f in (("naive", gca_naive), ("flash", flash)):
+        for path, f in (("torch", gca_reference), ("flash", flash)):
             fwd = lambda: f(ins[0], ins[1], ins[2], idx, ins[3])  # noqa: E731
             fwd_bwd = lambda: torch.autograd.grad(fwd(), ins, do)  # noqa: E731
             cols = []
@@ -257,7 +247,7 @@ def bench_train(args, dev):
 
         def step():
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                _, loss = model(x, x, return_logits=False)
+                _, loss = model(x, x)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -341,7 +331,7 @@ def device_defaults(args, dev):
 def main(argv=None):
     p = argparse.ArgumentParser(description="DRT benchmarks (CUDA): pass --kernel, --train, --long, or several.",
                                 formatter_class=Help)
-    p.add_argument("--kernel", action="store_true", help="FlashGCA vs the naive PyTorch GCA: time, TFLOP/s, memory")
+    p.add_argument("--kernel", action="store_true", help="FlashGCA vs the PyTorch reference GCA: time, TFLOP/s, memory")
     p.add_argument("--train", action="store_true", help="time training steps of the 146M models (toy ones on a CPU)")
     p.add_argument("--long", action="store_true", help="stream long contexts: time and memory vs length")
     p.add_argument("--check", action="store_true", help="--kernel: first compare with an fp32 reference")

@@ -3,7 +3,8 @@ Small helpers that train.py, sample.py, evaluate.py, bench.py and the prepare sc
 formatting, the --lengths parser, GPT-2's tokenizer, a prepared dataset's meta.json and .bin files (read and
 checked), a DRT's FLOPs per token and a GPU's peak FLOP/s (for MFU), peak memory, the check that an output
 folder is writable, the checkpoint loader (which upgrades older checkpoints), train.py's out_dir lock and Ctrl-C
-handling, and retrieval's statistics from DRT's record. Not run on its own.
+handling, retrieval's statistics from DRT.recording(), and what sample.py and evaluate.py share (their arguments,
+errors and autocast, the checkpoint as a model, a stream's prefill). Not run on its own.
 
     from common import check_bin, fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, read_meta
 
@@ -12,7 +13,6 @@ processes, which need only fmt_time, do not load it.
 """
 
 import json
-import math
 import os
 import pickle
 import resource
@@ -166,7 +166,7 @@ def peak_flops(device):
 def flops_per_token(model, logit_share=1.0):
     """A DRT's training FLOPs (forward + backward = 3x forward) per text token, counting matmuls: 2 per weight
     per position, attention 4*keys*C per position and layer. Over peak_flops and time: MFU. logit_share: of the
-    positions, those whose logits are made (train.py's task rows score only their answer: loss_span / block_size)."""
+    positions, those whose logits are made (train.py's task rows score only the row's end, which holds the answer)."""
     cfg, C, S = model.config, model.config.n_embd, model.config.chunk_size
     per_pos = 2 * (model.num_params() - model.wte.weight.numel())  # every matrix but the embedding runs per position
     per_pos += 4 * C * cfg.window * (cfg.n_lower + cfg.n_upper)  # sliding-window attention
@@ -359,11 +359,16 @@ def load_checkpoint(path, fix, mmap=False):
 # options this version removed (the notes give their results): a checkpoint that used one cannot be run the same
 REMOVED = {"ret_dim": 0, "enc_rope": False, "repeat_frac": 0.0}  # each at its off value
 RENAMED = {"pool_retrieval": ("pool_tokens", {"": False, "tokens": True})}  # old key: (new key, old value -> new)
+# the four switches of the code recipe's read path, now the one code_read: the paper's values, then the recipe's
+MERGED = ({"gca_sink": True, "center_memory": False, "read_next": False, "pool_tokens": False},
+          {"gca_sink": False, "center_memory": True, "read_next": True, "pool_tokens": True})
 
 
 def upgrade(ckpt, path, fix):
     """A checkpoint of an earlier version in today's keys, in place: a removed option at its off value is
-    dropped, a renamed one translated; any other value is a one-line CheckpointError naming the key."""
+    dropped, a renamed one translated, the four read-path switches all at the paper's or all at the code recipe's
+    values made code_read (a key older than the checkpoint: the paper's); any other value is a one-line
+    CheckpointError naming the key."""
     for part in ("model_args", "config"):
         args = ckpt.get(part, {})
         for key, off in REMOVED.items():
@@ -376,6 +381,14 @@ def upgrade(ckpt, path, fix):
                     raise CheckpointError(f"{path} was trained with {key}={old!r}, which this version removed "
                                           f"(the notes list it with the last commit that had it): {fix}")
                 args[new] = values[old]
+        if any(key in args for key in MERGED[0]):
+            switches = {key: args.pop(key, paper) for key, paper in MERGED[0].items()}
+            if switches not in MERGED:
+                said = ", ".join(f"{k}={v}" for k, v in switches.items())
+                raise CheckpointError(f"{path} was trained with {said}, a mix this version removed: its read path is "
+                                      f"the paper's or all four departures of config/code_teacher.py (code_read) (the "
+                                      f"notes list the last commit that had them apart): {fix}")
+            args["code_read"] = switches == MERGED[1]
 
 
 def saved_at(out_dir, since=0.0):
@@ -419,28 +432,27 @@ def stopped(said, signum):
     raise SystemExit(128 + signum)
 
 
-# Retrieval's health, from what DRT.forward(record=[...]) collected: train.py logs it at each evaluation,
+# Retrieval's health, from what DRT.recording() collected: train.py logs it at each evaluation,
 # evaluate.py --ppl prints it per retrieval mode.
 
 def sink_share(q, k_mem, v_mem, idx, w):
     """The share of GCA's attention on the landmark slot, over queries and heads, each pick weighted by w.
-    With gca_sink that slot is the zero key that reads nothing: near 1, GCA ignores what it retrieved
-    whatever sum w says; without, it is the landmark's own key and value -> (share, sum w) as tensors."""
+    In the paper's read path that slot is the zero key that reads nothing: near 1, GCA ignores what it retrieved
+    whatever sum w says; under code_read it is the landmark's own key and value -> (share, sum w) as tensors."""
     import torch
+    from model import gca_attention
     B, N, S, H, D = q.shape
-    b = torch.arange(B, device=q.device)[:, None]
-    share, up = q.new_zeros((), dtype=torch.float32), torch.promote_types(q.dtype, torch.float32)  # fp64 stays
-    for i in range(idx.size(-1)):
-        k = k_mem[b, idx[..., i]].to(up)  # (B, N, S, H, D)
-        att = (torch.einsum("bnshd,bnthd->bnhst", q.to(up), k) / math.sqrt(D)).softmax(-1)  # (B, N, H, S, S)
+    share = q.new_zeros((), dtype=torch.float32)
+    for i, _, att in gca_attention(q, k_mem, idx):  # (B, N, H, S, S) each pick's
         share += (w[..., i, None, None].float() * att[..., -1]).sum() / (S * H)
     return share, w.float().sum()
 
 
 def compact(records):
     """DRT's record with each GCA read ("gca", q, k, v, idx, w) reduced to ("sink", share, sum w): all that
-    retrieval_stats needs of it, without holding the read's tensors (a long stream reads gigabytes)."""
-    return [("sink", *sink_share(*r)) if kind == "gca" else (kind, *r) for kind, *r in records]
+    retrieval_stats needs of it, without holding the read's tensors (a long stream reads gigabytes), and without
+    the Eq. 1 queries ("eq1") that the statistics do not read."""
+    return [("sink", *sink_share(*r)) if kind == "gca" else (kind, *r) for kind, *r in records if kind != "eq1"]
 
 
 def retrieval_stats(records, K):
@@ -473,5 +485,158 @@ def retrieval_stats(records, K):
 
 
 def sink_label(cfg):
-    """The name retrieval_stats' "sink" is logged under: the landmark slot reads nothing only with gca_sink."""
-    return "sink" if cfg.gca_sink else "landmark slot"
+    """The name retrieval_stats' "sink" is logged under: the landmark slot reads nothing in the paper's read path."""
+    return "landmark slot" if cfg.code_read else "sink"
+
+
+# -----------------------------------------------------------------------------
+# What sample.py and evaluate.py share: their errors, arguments and autocast, the checkpoint as a model, streams
+
+PROGRESS_AFTER = 10  # seconds between progress lines: short work stays quiet
+
+
+def error(script, msg):
+    """A wrong argument or an unusable file: one line, no traceback (each script binds its name)."""
+    raise SystemExit(f"{script}: error: {msg}")
+
+
+def shared_args(p, seed_help):
+    """The arguments sample.py and evaluate.py share: the checkpoint, device and dtype, the stream."""
+    import torch
+    p.add_argument("--out_dir", default="out", help="folder with ckpt.pt from train.py")
+    p.add_argument("--ckpt", default=None, help="path to a checkpoint file (overrides --out_dir)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda, cuda:1, ... (default: %(default)s here, cuda where there is a GPU)")
+    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
+                   choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype on CUDA (default: %(default)s here, bfloat16 where there is a GPU)")
+    p.add_argument("--seed", type=int, default=1337, help=f"random seed ({seed_help})")
+    p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (None: env DRT_GPT2_RANKS or download)")
+    p.add_argument("--segment", type=int, default=65536, help="stream segment in tokens (memory vs speed)")
+    p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
+    p.add_argument("--retrieval", default=None,
+                   help="learned, random, none (the window alone), or a comma list, each in turn (None: as trained)")
+    return p
+
+
+def shared_problems(args):
+    """[(wrong, message)] of the arguments sample.py and evaluate.py share (shared_args): the stream segment,
+    the device, the dtype and the retrieval modes."""
+    import torch
+    try:
+        device = torch.device(args.device)
+        kind, index = device.type, device.index or 0
+    except RuntimeError:
+        kind = index = None
+    gpus = torch.cuda.device_count()
+    return [
+        (args.segment < 1, f"--segment={args.segment}: must be >= 1"),
+        (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
+        (kind == "cuda" and not torch.cuda.is_available(), f"--device={args.device}: no CUDA GPU here: pass --device=cpu"),
+        (kind == "cuda" and index >= gpus, f"--device={args.device}: this machine has {gpus} GPU(s), numbered from 0"),
+        (kind == "cpu" and args.dtype != "float32",
+         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
+        (any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")),
+         f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")]
+
+
+def autocast(args):
+    """The context the model runs in for --device and --dtype: autocast on CUDA alone (a CPU computes in float32)."""
+    import torch
+    from contextlib import nullcontext
+    cuda = torch.device(args.device).type == "cuda"
+    return torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
+
+
+def retrieval_modes(args, cfg):
+    """--retrieval's modes (None: as trained); a checkpoint without retrieval (groups=()) runs once, said so."""
+    if args.retrieval and not cfg.groups:
+        print(f"note: this checkpoint has no retrieval (groups=()), so --retrieval={args.retrieval} changes nothing: "
+              f"one run, its windows alone (retrieval none)")
+        return ["none"]
+    return args.retrieval.split(",") if args.retrieval else [cfg.retriever]
+
+
+def load_haystack(path, enc):
+    """The --haystack text, read once for every test, or a one-line ValueError; a .bin checked as train.py's."""
+    from tasks import Haystack
+    fix = "give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for the synthetic filler"
+    try:
+        if path.endswith(".bin") and os.path.isfile(path):  # cut short, of odd size, another vocabulary's
+            check_bin(path, fix=fix)  # refused as train.py and evaluate.py --docs refuse it
+        return Haystack(path, enc)
+    except (OSError, ValueError) as e:  # missing, empty or unreadable
+        why = str(e).rstrip(".")
+        if why.endswith(fix):  # check_bin's, which begins with the path
+            raise ValueError(f"--haystack {why}") from None
+        why = why if why.startswith("--haystack") else f"--haystack {path}: {why}"  # numpy's or the OS's words
+        raise ValueError(f"{why}: {fix}") from None
+
+
+def read_checkpoint(path):
+    """train.py's checkpoint at path (a ckpt.pt or its out_dir), its tensors mapped, not read -> (checkpoint,
+    its DRTConfig), or a one-line CheckpointError."""
+    from model import DRTConfig
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
+    ckpt = load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote", mmap=True)
+    try:
+        return ckpt, DRTConfig(**ckpt["model_args"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the config stored in {path} does not build a DRT: {e}") from None
+
+
+def build_model(ckpt, device, retriever=None):
+    """The checkpoint's DRT in eval mode on device; retriever: another retrieval mode than the one trained
+    (Table 4's ablations: learned, random, none), the same weights."""
+    import dataclasses
+    import textwrap
+    from model import DRT, DRTConfig
+    cfg = DRTConfig(**ckpt["model_args"])
+    model = DRT(dataclasses.replace(cfg, retriever=retriever or cfg.retriever))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # torch names each mismatch on a line of its own: the first three, on one
+        detail = textwrap.shorten("; ".join(line.strip(" \t.") for line in str(e).splitlines()[1:4]), 600)
+        raise CheckpointError(f"the checkpoint's weights do not fit the config stored with them ({cfg}): "
+                              f"{detail}. Was it written by another version of model.py?") from None
+    return model.to(device).eval()
+
+
+def as_batch(model, ids):
+    """Token ids -> (1, n) on the model's device."""
+    import torch
+    return torch.as_tensor(np.asarray(ids), dtype=torch.long, device=next(model.parameters()).device)[None]
+
+
+class Progress:
+    """progress(done) prints `label: done/total unit after T, ETA T`, at most every PROGRESS_AFTER seconds."""
+
+    def __init__(self, label, total, unit="tokens"):
+        self.label, self.total, self.unit = label, total, unit
+        self.t0 = self.last = time.time()
+
+    def __call__(self, done):
+        if time.time() - self.last > PROGRESS_AFTER:
+            self.last, dt = time.time(), time.time() - self.t0
+            print(f"  {self.label}: {done:,}/{self.total:,} {self.unit} after {fmt_time(dt)}, "
+                  f"ETA {fmt_time(dt * (self.total - done) / max(done, 1))}", flush=True)
+
+
+def prefill(model, ids, state, segment, progress=None, skim=None, record=None):
+    """Stream ids into the state, `segment` tokens a call; skim: a margin in tokens, or None. Segments that end
+    at least that far before ids' end go through DRT.skim (memory only): only what follows is read. record: a
+    list to extend with each segment's DRT.recording(), its GCA reads reduced at once (compact)."""
+    from contextlib import nullcontext
+    x = as_batch(model, ids)
+    for s in range(0, x.size(1), segment):
+        part = x[:, s : s + segment]
+        if skim is not None and s + part.size(1) <= x.size(1) - skim:
+            model.skim(part, state)
+        else:
+            with model.recording() if record is not None else nullcontext() as seen:
+                model(part, state=state)
+            record is None or record.extend(compact(seen))
+        if progress:
+            progress(min(s + segment, x.size(1)))

@@ -50,8 +50,8 @@ def tokens(cfg, B, T, seed):
 
 
 def all_logits(model, idx, state=None):
-    """Logits at every text position (passing targets asks for all of them)."""
-    logits, _ = model(idx, torch.zeros_like(idx), state=state)
+    """Logits at every text position: a whole row's, or a stream segment's (scoring it asks for all of them)."""
+    logits, _ = model(idx) if state is None else model(idx, torch.zeros_like(idx), state=state)
     return logits
 
 
@@ -69,7 +69,7 @@ def tokenizer_or_skip(monkeypatch):
 
 
 def retrievals(record):
-    """The retrievals (chunk ids, idx, w) of DRT's record, without its GCA reads."""
+    """The retrievals (chunk ids, idx, w) of DRT.recording()'s record, without its Eq. 1 queries and GCA reads."""
     return [r[1:] for r in record if r[0] == "picks"]
 
 

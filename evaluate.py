@@ -15,6 +15,7 @@ before the model is built.
 """
 
 import argparse
+import functools
 import math
 import os
 import random
@@ -26,15 +27,11 @@ import torch
 import torch.nn.functional as F
 
 import common
-from common import EOT, GPT2_VOCAB, fmt_len, get_tokenizer, retrieval_stats, sink_label
-from model import window_reach
-from sample import Progress, as_batch, build_model, load_haystack, prefill, read_checkpoint, shared_args
-from sample import retrieval_modes, shared_problems
+from common import (EOT, GPT2_VOCAB, Progress, as_batch, build_model, fmt_len, get_tokenizer, load_haystack, prefill,
+                    read_checkpoint, retrieval_modes, retrieval_stats, shared_args, shared_problems, sink_label)
+from model import read_shift, window_reach
 
-
-def error(msg):
-    """A wrong argument or an unusable file: one line, no traceback."""
-    raise SystemExit(f"evaluate.py: error: {msg}")
+error = functools.partial(common.error, "evaluate.py")  # a wrong argument or an unusable file: one line
 
 
 # -----------------------------------------------------------------------------
@@ -62,17 +59,17 @@ def pass_losses(model, span, passes, ctx, name, only=None, picks=None):
         y = torch.full_like(x[:, 1:], -1)
         y[:, s : s + k - 1] = x[:, s + 1 : s + k]
         with ctx:
-            out.append(model(x[:, :-1], y, return_logits=False, picks=picks)[1].item())
+            out.append(model(x[:, :-1], y, picks=picks)[1].item())
         progress(len(out))
     return out
 
 
 def twin_picks(k, cfg, n):
     """For a span of k tokens read twice, at the row's n landmarks: chunk c's picks, for chunk c+1 of the second
-    reading, the two chunks of the first reading that hold its text (an oracle retriever; read_next: the chunks
-    before them, which GCA then reads the successors of) -> (n, K), -1 where there is no twin yet."""
+    reading, the two chunks of the first reading that hold its text (an oracle retriever; as picks, which under
+    code_read are the chunks before the ones GCA reads, read_shift) -> (n, K), -1 where there is no twin yet."""
     T, chunk_ids = cfg.chunk_size - 1, torch.arange(n)  # text tokens per chunk
-    first = (T * (chunk_ids + 1) - k) // T - int(cfg.read_next)  # the first reading's chunk of chunk c+1's first token
+    first = (T * (chunk_ids + 1) - k) // T - read_shift(cfg)  # the first reading's chunk of chunk c+1's first token
     ok = (T * (chunk_ids + 1) >= k) & (first + 1 < chunk_ids) & (first >= 0)  # in the second reading, strictly earlier
     twins = first[:, None] + torch.arange(cfg.topk) % 2  # (n, K): first, first+1, first, ...
     return torch.where(ok[:, None], twins, -1)
@@ -170,15 +167,14 @@ def pick_doc(docs, doc, path):
 @torch.no_grad()
 def doc_nll(model, ids, args, ctx, name="document", record=None):
     """Every token's loss, the document streamed from its start -> (len(ids) - 1,), nll[i] = -log p(ids[i+1]);
-    record: a list for DRT's record, each segment's reduced at once (common.compact)."""
+    record: a list to extend with each segment's DRT.recording(), reduced at once (common.compact)."""
     x = as_batch(model, ids)  # (1, n)
     state, seg, nll = model.new_state(offload=args.offload), min(args.segment, PPL_SEGMENT), []
     progress = Progress(name, x.size(1) - 1)
     for s in range(0, x.size(1) - 1, seg):
         y = x[:, s + 1 : s + seg + 1]  # (1, L) the next tokens
-        seen = None if record is None else []
-        with ctx:
-            logits, _ = model(x[:, s : s + y.size(1)], y, state=state, record=seen)  # (1, L, V)
+        with ctx, model.recording() if record is not None else nullcontext() as seen:
+            logits, _ = model(x[:, s : s + y.size(1)], y, state=state)  # (1, L, V)
         nll.append(F.cross_entropy(logits[0].float(), y[0], reduction="none"))
         if record is not None:
             record.extend(common.compact(seen))
@@ -245,13 +241,13 @@ def inspect(model, enc, doc, at, args, ctx):
     print(f"\ndocument {name}, chunk {c} (tokens {c * T:,}-{(c + 1) * T - 1:,}), retrieval {model.config.retriever}\n"
           f"  the query's chunk {c - 1}: {show(c - 1)}\n  predicted, chunk {c}: {show(c)}")
     out = []
-    nxt = model.config.read_next  # GCA reads the chunk after each pick j, never past chunk c-1
-    read = ", the chunks GCA reads (read_next: the one after each of Eq. 1's picks)" if nxt else ""
+    shift = read_shift(model.config)  # GCA reads chunk j + shift for a pick j, never past chunk c-1
+    read = ", the chunks GCA reads (code_read: the one after each of Eq. 1's picks)" if shift else ""
     for g, (idx, w) in enumerate(state.picks):  # the chunks chunk c-1's landmark has GCA read for chunk c
         picks = sorted(zip(idx[0, 0].tolist(), w[0, 0].float().tolist()), key=lambda p: -p[1])[: c - 1]
         print(f"  group {g}: sum w {sum(p[1] for p in picks):.3f}{read}")
-        for r, wj in picks:  # under read_next, state.picks already holds the chunk after each of Eq. 1's picks
-            print(f"    w {wj:.3f}  chunk {r} ({c - 1 - r} back{f', picked {r - 1}' if nxt else ''}): {show(r)}")
+        for r, wj in picks:  # state.picks holds the chunks GCA reads, Eq. 1's picks shifted
+            print(f"    w {wj:.3f}  chunk {r} ({c - 1 - r} back{f', picked {r - shift}' if shift else ''}): {show(r)}")
         out.append((g, picks))
     return out
 
@@ -389,8 +385,7 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): {cfg}")
-    cuda = torch.device(args.device).type == "cuda"
-    ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
+    ctx = common.autocast(args)
     try:
         models = {m: build_model(ckpt, args.device, m) for m in retrieval_modes(args, cfg)}
     except common.CheckpointError as e:

@@ -16,16 +16,20 @@ retrieval -> GCA -> blocks -> the model, one pipeline (DRT.run) for training and
 
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
-    logits, loss = model(idx, targets)       # (B, T) text ids -> (B, T, vocab_size), loss
+    _, loss = model(idx, targets)            # a training row: (B, T) text ids -> the loss (never the full logits)
+    logits, _ = model(idx)                   # its logits (B, T, vocab_size)
     state = model.new_state()                # inference at any length (sample.generate):
     logits, _ = model(prompt, state=state)   #   prefill (B, 1, vocab_size) ...
     logits, _ = model(next_ids, state=state) #   ... and continue the same stream
+    with model.recording() as record:        # what retrieval and GCA did, for the statistics (common.py)
+        model(idx)
 """
 
 import functools
 import itertools
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +78,13 @@ class DRTConfig:
     softmax_off_by_one: bool = True  # Eq. 3 as exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
     retriever: str = "learned"   # "learned": top-k of Eq. 1; "random": uniform earlier chunks, weighted by Eq. 3; "none": weights 0
-    # departures from the paper, which config/code_teacher.py sets together: with them GCA learns to copy on code
-    gca_sink: bool = True        # the landmark slot's key/value are zero, a sink GCA's heads may rest on (the release); False: a key like the others
-    center_memory: bool = False  # GCA's keys/values from the encoder's states minus their chunk's mean: what tells the tokens apart
-    read_next: bool = False      # GCA reads the chunk after each pick j (j+1 <= t): the text that followed a chunk like the query
-    pool_tokens: bool = False    # Eq. 1 between chunks' mean token embeddings (the query's centred over the chunks so far), not landmark states
+    # departures from the paper: config/code_teacher.py's read path, with which GCA learned to copy on code. One switch
+    # for four changes, because every run used all four or none (two of them were never removed one at a time):
+    #   no sink: the landmark slot's key/value are the landmark's own, not the zero sink of the paper's release
+    #   centred memory: GCA's keys/values from the encoder's states minus their chunk's mean, what tells tokens apart
+    #   read next: GCA reads the chunk after each pick j (j+1 <= t), the text that followed a chunk like the query
+    #   pooled Eq. 1: between chunks' mean token embeddings (the query's centred over the chunks so far), not landmarks
+    code_read: bool = False      # True: all four (config/code_teacher.py); False: the paper's read path
 
     def __post_init__(self):
         groups, self.groups = self.groups, tuple(int(g) for g in self.groups)  # checkpoints store JSON lists
@@ -107,10 +113,16 @@ class DRTConfig:
         return sum(self.groups)
 
 
-def window_reach(cfg):
-    """The stacked windows' span, L x W positions, a bound: each window sees W-1 back, so through them an output
-    sees L x (W-1) (retrieval alone reaches further); cfg: any with their fields."""
-    return (cfg.n_lower + sum(cfg.groups)) * cfg.window
+def window_reach(cfg, exact=False):
+    """How far back the stacked windows carry a token to an output, in positions (retrieval alone reaches further);
+    cfg: any with their fields. Each of the L layers' windows sees W-1 back, so L x (W-1) (exact=True: what a needle
+    within it may be copied from); L x W, a round bound, sizes the margins, copy spans and test depths past it."""
+    return (cfg.n_lower + sum(cfg.groups)) * (cfg.window - 1 if exact else cfg.window)
+
+
+def read_shift(cfg):
+    """GCA reads chunk j + read_shift(cfg) for a pick j: the pick itself (the paper), or under code_read the next."""
+    return int(cfg.code_read)
 
 
 def skim_margin(cfg):
@@ -262,7 +274,7 @@ class ChunkEncoder(nn.Module):
         self.ln_in, self.ln_f = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_enc))
         self.kv_mem = nn.Linear(cfg.n_embd, 2 * cfg.n_embd, bias=False)  # W_k and W_v in one matmul
-        self.n_head, self.sink, self.center = cfg.n_head, cfg.gca_sink, cfg.center_memory
+        self.n_head, self.code_read = cfg.n_head, cfg.code_read
 
     def forward(self, x):  # x (B, n, S, C) last-lower-layer states -> kv (B, n, S, 2, H, D), l (B, n, C)
         B, n, S, C = x.shape
@@ -271,10 +283,10 @@ class ChunkEncoder(nn.Module):
             h = block(h)
         h = h.view(B, n, S, C)
         l = self.ln_f(h[:, :, -1])  # (B, n, C) the landmark's state
-        if self.center:  # departure: drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
+        if self.code_read:  # departure: drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
             h = h - h[:, :, :-1].mean(2, keepdim=True)
         kv = self.kv_mem(self.ln_f(h)).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
-        if self.sink:  # the landmark slot's key/value zero: a logit-0 sink for queries that match nothing
+        if not self.code_read:  # the landmark slot's key/value zero: a logit-0 sink for queries that match nothing
             kv = kv.masked_fill(torch.arange(S, device=kv.device).view(-1, 1, 1, 1) == S - 1, 0)  # (S, 1, 1, 1)
         return kv, l
 
@@ -323,30 +335,6 @@ def rank_key(s, j):
     return (b << 32) | (0xFFFFFFFF - j)
 
 
-def needle_rank_loss(q, l, needles):
-    """Training only (a departure): the cross-entropy of Eq. 1's scores that each labelled landmark ranks its needle
-    first among the batch's chunks, a pressure that outlasts the answer's loss, which fades once Eq. 3 weighs the
-    needle enough to copy it. q (B, n, C) the landmarks' queries, l (B, n, C) the chunks' landmarks, needles (B, n):
-    the chunk to rank first (< its landmark), -1 for none; a row labels one landmark at most. Rivals: the row's
-    chunks before the landmark, and other rows' chunks before their labelled landmark; the needle's neighbours,
-    which may hold part of it, are left out in every row."""
-    B, n, C = q.shape
-    s = (upcast(q).flatten(0, 1) @ upcast(l).flatten(0, 1).T / math.sqrt(C)).view(B, n, B, n)  # fp32
-    j = torch.arange(n, device=q.device)
-    labelled = needles >= 0  # (B, n)
-    t_row = (labelled * j).amax(1)  # (B,) each row's labelled landmark (0: none, so no chunk before it)
-    need_row = needles.amax(1)  # (B,) its needle, -1: none
-    away = (j - need_row[:, None]).abs() != 1  # (B, n) not a neighbour of the row's needle
-    other = (j < t_row[:, None]) & away & (j != need_row[:, None])  # (B, n) chunks other rows may rank
-    own = (j[None, :] < j[:, None])[None] & away[:, None, :]  # (B, n, n) the row's earlier chunks
-    same = torch.eye(B, dtype=torch.bool, device=q.device)[:, None, :, None]  # (B, 1, B, 1)
-    valid = torch.where(same, own[:, :, None, :], other[None, None])  # (B, n, B, n)
-    valid = valid | ~labelled[:, :, None, None]  # unlabelled landmarks: ignored, but kept finite
-    target = torch.where(labelled, torch.arange(B, device=q.device)[:, None] * n + needles, -1)  # (B, n)
-    return F.cross_entropy(s.masked_fill(~valid, float("-inf")).view(B * n, B * n), target.view(-1),
-                           ignore_index=-1, reduction="sum") / labelled.sum().clamp(min=1)
-
-
 def softmax_off_by_one(r, off_by_one=True):
     """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries get 0. The 1 is a virtual chunk
     of score 0 and empty output: a group may ignore poor picks. False: plain softmax."""
@@ -365,8 +353,18 @@ def retrieval_weights(q, picked, eligible, cfg):
     return w * (cfg.retriever != "none")
 
 
+def pooled_eq1(e, ln_f, state):
+    """code_read's Eq. 1 (a departure): e (B, n, S, C) the embeddings of n finished chunks -> their keys, ln_f of their
+    mean text embeddings (B, n, C), and their queries (centred_chunk_means); a stream keeps its running sum in state."""
+    l = ln_f(e[:, :, :-1].mean(2))
+    pooled, total = centred_chunk_means(e, *((state.pool_total, state.pool_count) if state else (None, 0)))
+    if state:
+        state.pool_total, state.pool_count = total.detach(), state.pool_count + e.size(1)
+    return l, pooled
+
+
 def centred_chunk_means(x, total, count):
-    """pool_tokens' query. x (B, n, S, C): embeddings of the next n finished chunks; total (B, C): the sum of
+    """code_read's query. x (B, n, S, C): embeddings of the next n finished chunks; total (B, C): the sum of
     the chunk means before them (count of them), or None -> (B, n, C) each chunk's mean text embedding minus
     the mean over the chunks so far, itself included (else its shared part ranks the same chunks for all)."""
     m = upcast(x[:, :, :-1].mean(2))  # (B, n, C)
@@ -408,17 +406,24 @@ class RowMemory:
 GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA, PyTorch elsewhere; "triton" / "torch" force one
 
 
+def gca_attention(q, k_mem, idx):
+    """Eq. 2's softmax of each pick in turn, one at a time (memory O(output), not O(K * output)): q (B, N, S, H, D),
+    k_mem (B, M, S, H, D), idx (B, N, K) -> yields (i, the rows of pick i, softmax(q K_i^T / sqrt(D)) (B, N, H, S, S)),
+    in fp32 (fp64 stays fp64). gca_reference's, and the statistics' (common.sink_share)."""
+    b, q = torch.arange(q.size(0), device=q.device)[:, None], upcast(q)  # b (B, 1): batch index to gather by idx
+    for i in range(idx.size(-1)):
+        rows = (b, idx[..., i])
+        k = upcast(k_mem[rows])  # (B, N, S, H, D)
+        yield i, rows, (torch.einsum("bnshd,bnthd->bnhst", q, k) / math.sqrt(q.size(-1))).softmax(-1)
+
+
 def gca_reference(q, k_mem, v_mem, idx, w):
     """The readable GCA, gca_kernel.flash_gca's signature: q (B, N, S, H, D) of N chunks; k_mem, v_mem
     (B, M, S, H, D); idx (B, N, K) int64 picks in [0, M), their weights w (B, N, K) -> (B, N, S, H, D)."""
-    b, D = torch.arange(q.size(0), device=q.device)[:, None], q.size(-1)  # b (B, 1): batch index to gather by idx
-    dtype, q = q.dtype, upcast(q)
-    o = torch.zeros_like(q)
-    for i in range(idx.size(-1)):  # one pick at a time: memory O(output), not O(K * output)
-        k, v = upcast(k_mem[b, idx[..., i]]), upcast(v_mem[b, idx[..., i]])  # (B, N, S, H, D)
-        att = (torch.einsum("bnshd,bnthd->bnhst", q, k) / math.sqrt(D)).softmax(-1)  # (B, N, H, S, S)
-        o = o + w[..., i, None, None, None] * torch.einsum("bnhst,bnthd->bnshd", att, v)
-    return o.to(dtype)
+    o = torch.zeros_like(upcast(q))
+    for i, rows, att in gca_attention(q, k_mem, idx):
+        o = o + w[..., i, None, None, None] * torch.einsum("bnhst,bnthd->bnshd", att, upcast(v_mem[rows]))
+    return o.to(q.dtype)
 
 
 def gca(q, k_mem, v_mem, idx, w):
@@ -505,16 +510,17 @@ class UpperBlock(Block):
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.S, self.n_head = cfg.chunk_size, cfg.n_head
+        self.record = None  # a list while DRT.recording() runs
 
-    def forward(self, x, mem, pos0=0, ring=None, offset=0, record=None):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
+    def forward(self, x, mem, pos0=0, ring=None, offset=0):  # x (B, L, C); mem: (k_mem, v_mem, idx, w) or None
         h1 = x + self.attn(self.ln_1(x), pos0, ring)
         if mem is None:  # nothing retrievable yet (the first two chunks of a stream)
             return h1 + self.mlp(self.ln_2(h1))
         B, L, C = x.shape
         q = to_chunks(self.q_proj(self.ln_q(h1)), offset, self.S).unflatten(-1, (self.n_head, C // self.n_head))  # (B, n_chunks, S, H, D)
         o = gca(q, *mem)  # (B, n_chunks, S, H, D)
-        if record is not None:  # what GCA read with, for the statistics (common.retrieval_stats)
-            record.append(("gca", q.detach(), *(t.detach() for t in mem)))
+        if self.record is not None:  # what GCA read with, for the statistics (common.retrieval_stats)
+            self.record.append(("gca", q.detach(), *(t.detach() for t in mem)))
         o = from_chunks(o.flatten(-2), offset, L)  # (B, L, C)
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
@@ -588,6 +594,7 @@ class DRT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2: scale residual-branch outputs by depth
             if name.endswith(("c_proj.weight", "o_proj.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * (cfg.n_lower + cfg.n_upper)))
+        self.record = None  # a list while recording() runs
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied embedding counted once
@@ -600,8 +607,8 @@ class DRT(nn.Module):
         cfg = self.config
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32) or idx.size(1) == 0:  # T=0: nothing to read
             raise ValueError(f"idx must be a (B, T) integer tensor of token ids, T >= 1 (not T=0), got {tuple(idx.shape)} {idx.dtype}")
-        if targets is not None and targets.shape != idx.shape:
-            raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
+        if targets is not None and (targets.dim() != 2 or targets.size(0) != idx.size(0) or not 1 <= targets.size(1) <= idx.size(1)):
+            raise ValueError(f"targets {tuple(targets.shape)} must be (B, T') for idx's last T' positions, idx {tuple(idx.shape)}")
         if not torch.compiler.is_compiling():
             bad = (idx < 0) | (idx >= cfg.vocab_size) | (idx == cfg.landmark_id)
             if bad.any():
@@ -611,23 +618,33 @@ class DRT(nn.Module):
             if targets is not None and ((targets < -1) | (targets >= cfg.vocab_size)).any():  # -100 would read as 0
                 raise ValueError(f"targets must be token ids in [0, {cfg.vocab_size}) or -1 (ignored)")
 
-    def forward(self, idx, targets=None, state=None, return_logits=True, picks=None, record=None, needles=None,
-                loss_span=0):
-        """idx (B, T) text ids. With targets (B, T) (-1 = ignore): logits (B, T, vocab) and the mean cross-
-        entropy; without: the last position's logits (B, 1, vocab), loss None. return_logits=False: logits
-        None, the loss never holding (B, T, vocab). state: a StreamState to continue, else one training row.
-        picks (n, K) or (B, n, K): chunks the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a
-        teacher or an oracle; (B, G, n, K): each group its own. record: a list to collect ("picks", chunk ids, idx, w) and ("gca", q, k, v, idx, w).
-        needles (B, G, n): for a whole row, the chunk each group's Eq. 1 at each landmark should rank first (-1: none);
-        then forward returns (logits, loss, needle_rank_loss summed over the groups). loss_span=A (with return_logits=False):
-        each row's targets lie within A positions of its first (a task's answer), so only those are scored."""
+    def forward(self, idx, targets=None, state=None, picks=None):
+        """idx (B, T) text ids -> (logits, loss). targets (B, T'): the next ids at idx's last T' positions (T' = T: all),
+        -1 where not scored. state: a StreamState to continue, else one whole row. picks (n, K) or (B, n, K): chunks
+        the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a teacher or an oracle; (B, G, n, K): each
+        group its own. What comes back (logits_and_loss says why):
+            a whole row          logits (B, T, vocab), loss None     with targets: logits None, the mean cross-entropy
+            a stream's segment   logits (B, 1, vocab), loss None     with targets: logits (B, T', vocab), the loss"""
         self.check_input(idx, targets)
-        if (picks is not None or needles is not None) and state is not None:
-            raise ValueError("picks are handed in for a whole row (state=None), not for a stream; so are needles")
-        ranking = [] if needles is not None else None  # needle_rank_loss of each group
-        x, offset = self.run(idx, state, picks, record, needles=needles, ranking=ranking)
-        out = self.logits_and_loss(x, offset, idx.size(1), targets, return_logits, loss_span)
-        return out if ranking is None else (*out, sum(ranking))
+        if picks is not None and state is not None:
+            raise ValueError("picks are handed in for a whole row (state=None), not for a stream")
+        x, offset = self.run(idx, state, picks)
+        return self.logits_and_loss(x, offset, idx.size(1), targets, stream=state is not None)
+
+    @contextmanager
+    def recording(self):
+        """Collect what retrieval and GCA do while the block runs, into the list it yields; the model never reads it.
+        Per group and call: ("eq1", q, l), Eq. 1's queries (B, n, C) and the row's landmarks (B, n, C) in the autograd
+        graph (whole rows alone: train.py's needle ranking loss) and ("picks", chunk ids (n,), idx, w (B, n, K)); per
+        upper layer ("gca", q, k_mem, v_mem, idx, w) (common.retrieval_stats reduces those)."""
+        record, parts = [], [self, *self.upper]
+        for part in parts:
+            part.record = record
+        try:
+            yield record
+        finally:
+            for part in parts:
+                part.record = None
 
     @torch.no_grad()
     def skim(self, idx, state):
@@ -637,7 +654,7 @@ class DRT(nn.Module):
         self.check_input(idx, None)
         self.run(idx, state, memory_only=True)
 
-    def run(self, idx, state=None, picks=None, record=None, memory_only=False, needles=None, ranking=None):
+    def run(self, idx, state=None, picks=None, memory_only=False):
         """The pipeline of §3 over idx (B, T): one training row (state None), or the next segment of a stream,
         continuing and updating state -> the last layer's states (B, L, C) and the offset of the segment in
         its first chunk. memory_only (skim): the lower layers and the chunk memory alone -> (None, offset)."""
@@ -658,18 +675,16 @@ class DRT(nn.Module):
         chunk_ids = c0 + torch.arange(n, device=x.device)  # (n,) the chunk of each landmark here
         for g, size in enumerate(cfg.groups):
             made, carried, mem = None, state.picks[g] if state else None, None  # carried: picks made before idx
-            if n:  # the group's input at the landmarks (Eq. 1's query), or pool_tokens' centred means
-                h = pooled if cfg.pool_tokens else x[:, S - 1 - offset : n * S - offset : S]  # (B, n, C)
+            if n:  # the group's input at the landmarks (Eq. 1's query), or under code_read the centred means
+                h = pooled if cfg.code_read else x[:, S - 1 - offset : n * S - offset : S]  # (B, n, C)
                 handed = picks[:, g] if picks is not None and picks.dim() == 4 else picks  # per group, or for all
-                made = self.retrieve(g, h, chunk_ids, memory, handed, record)  # (idx, w) (B, n, K)
-                if needles is not None:  # a training row: chunk_ids are 0 .. n-1, memory.l the row's landmarks
-                    ranking.append(needle_rank_loss(self.ret_norm[g](h), memory.l, needles[:, g]))
+                made = self.retrieve(g, h, chunk_ids, memory, handed)  # (idx, w) (B, n, K)
             if c0 + n_chunks > 2 and (made is not None or carried is not None):  # chunks 0, 1 have nothing to read
                 sel, w = read_one_chunk_later(carried, made, n_chunks)  # (B, n_chunks, K)
                 decoding = n_chunks == 1 and carried is not None  # a stream's picks were gathered last call
                 mem = (*(state.prefetched[g] if decoding else memory.gather(sel)), w)
             for block in itertools.islice(upper, size):
-                x = block(x, mem, pos0, next(rings), offset, record)  # self-attention, then GCA (Eq. 2)
+                x = block(x, mem, pos0, next(rings), offset)  # self-attention, then GCA (Eq. 2)
             if state and made is not None:  # the last landmark's picks serve the next chunk
                 state.picks[g] = (made[0][:, -1:], made[1][:, -1:].detach())
                 state.prefetched[g] = memory.gather(state.picks[g][0])  # from the host: overlaps the rest
@@ -680,32 +695,25 @@ class DRT(nn.Module):
     def remember(self, x, e, n, state):
         """The memory (§3.1): the encoder over the n chunks whose landmark is in x (B, L, C) (a stream's first
         slots may come from earlier segments; e: the embeddings) -> the memory retrieval reads (RowMemory in
-        training, else the state's ChunkStore) and pool_tokens' queries (B, n, C) (else None)."""
+        training, else the state's ChunkStore) and code_read's queries (B, n, C) (else None)."""
         cfg, S, pooled = self.config, self.config.chunk_size, None
         if state:  # the unfinished chunk's slots wait in the state: copies, not views of x
             x = x if state.chunk_buf is None else torch.cat([state.chunk_buf, x], 1)  # (B, offset + L, C)
             e = e if state.emb_buf is None else torch.cat([state.emb_buf, e], 1)
             state.chunk_buf = x[:, n * S :].detach().clone()
-            state.emb_buf = e[:, n * S :].detach().clone() if cfg.pool_tokens else None
+            state.emb_buf = e[:, n * S :].detach().clone() if cfg.code_read else None
         if not n:
             return (state.store if state else None), None
-        x = x[:, : n * S].view(x.size(0), n, S, x.size(2))  # (B, n, S, C)
-        if cfg.pool_tokens:
-            e = e[:, : n * S].view(x.shape)
-            mean_e = e[:, :, :-1].mean(2)  # (B, n, C)
-        kv, l = self.encoder(x)  # (B, n, S, 2, H, D), (B, n, C)
-        if cfg.pool_tokens:  # departure: Eq. 1 between mean token embeddings, on both sides
-            l = self.encoder.ln_f(mean_e)
-            pooled, total = centred_chunk_means(e, *((state.pool_total, state.pool_count) if state else (None, 0)))
-            if state:
-                state.pool_total, state.pool_count = total.detach(), state.pool_count + n
+        kv, l = self.encoder(x[:, : n * S].unflatten(1, (n, S)))  # (B, n, S, 2, H, D), (B, n, C)
+        if cfg.code_read:  # departure: Eq. 1 between mean token embeddings, on both sides
+            l, pooled = pooled_eq1(e[:, : n * S].unflatten(1, (n, S)), self.encoder.ln_f, state)
         if not state:
             return RowMemory(kv, l), pooled
         state.store.kv.append(kv.detach())  # the store holds no autograd graph
         state.store.lm.append(l.detach())
         return state.store, pooled
 
-    def retrieve(self, g, h, chunk_ids, memory, picks=None, record=None):
+    def retrieve(self, g, h, chunk_ids, memory, picks=None):
         """Eq. 1 and 3 for group g at the states h (B, n, C) of the landmarks of chunks chunk_ids (n,), over
         memory (RowMemory or ChunkStore); picks: see forward -> idx, w (B, n, K)."""
         cfg = self.config
@@ -717,24 +725,27 @@ class DRT(nn.Module):
             twice = (idx[..., :, None] == idx[..., None, :]) & eligible[..., :, None]  # (B, n, K, K)
             eligible = eligible & ~twice.triu(1).any(-2)  # a chunk both Eq. 1 and picks hold is read once
         w = retrieval_weights(q, memory.landmarks_at(idx), eligible, cfg)  # (B, n, K): Eq. 3
-        if record is not None:
-            record.append(("picks", chunk_ids, idx, w.detach()))
-        if cfg.read_next:  # departure: chunk j+1 <= t, finished, and earlier than chunk t+1 that reads it
+        if self.record is not None:  # see recording
+            if isinstance(memory, RowMemory):
+                self.record.append(("eq1", q, memory.l))
+            self.record.append(("picks", chunk_ids, idx, w.detach()))
+        if cfg.code_read:  # departure: chunk j+1 <= t, finished, and earlier than chunk t+1 that reads it
             idx = (idx + 1).minimum(chunk_ids[None, :, None])
         return idx, w
 
-    def logits_and_loss(self, x, offset, T, targets, return_logits, loss_span=0):
-        """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions."""
+    def logits_and_loss(self, x, offset, T, targets, stream):
+        """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions. Logits are made
+        only where a caller reads them, as no argument need say: a whole row with targets is a training or validation
+        row, whose (B, T, vocab) logits (3.3 GB for a 16K-token row in bf16) nobody reads, so its loss comes from
+        LinearCrossEntropy without them, over the targets' positions alone (task rows: their answer); a stream's
+        segment without targets is a prefill (up to 64K positions) or a decoded token, whose next token is all
+        sampling reads; a stream's segment with targets is scored position by position (evaluate.py --ppl)."""
         S = self.config.chunk_size
         x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C): landmarks predict nothing
         if targets is None:
-            return self.lm_head(x[:, -1:]), None
-        if loss_span and not return_logits:  # a few answer tokens a row: skip the vocab-wide logits of all others
-            at = (targets != -1).int().argmax(1, keepdim=True) + torch.arange(loss_span, device=x.device)  # (B, A)
-            i = at.clamp(max=T - 1)  # past a row's end: its last position, scored once (the mask below)
-            x = x.gather(1, i[..., None].expand(-1, -1, x.size(-1)))  # (B, A, C)
-            targets = targets.gather(1, i).masked_fill(at >= T, -1)
-        if not return_logits:
+            return self.lm_head(x[:, -1:] if stream else x), None
+        x = x[:, T - targets.size(1) :]  # (B, T', C)
+        if not stream:
             return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
         logits = self.lm_head(x)
         return logits, F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
@@ -847,9 +858,9 @@ class StreamState:
         self.start_pos = start_pos  # absolute position of the first slot: ALiBi uses only differences
         self.rings = [KVRing(cfg.window) for _ in range(cfg.n_lower + cfg.n_upper)]
         self.chunk_buf = None  # (B, n % S, C) last-lower-layer states of the unfinished chunk
-        self.emb_buf = None  # (B, n % S, C) pool_tokens: its embeddings
+        self.emb_buf = None  # (B, n % S, C) code_read: its embeddings
         self.store = ChunkStore(device, offload)
         self.picks = [None] * len(cfg.groups)  # per group: (idx, w) (B, 1, K) serving the current chunk
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
-        self.pool_total, self.pool_count = None, 0  # pool_tokens: (B, C) sum of the finished chunks' means, their number
+        self.pool_total, self.pool_count = None, 0  # code_read: (B, C) sum of the finished chunks' means, their number
 

@@ -16,59 +16,27 @@ the picks and in-context copying: evaluate.py.
 
 import argparse
 import codecs
-import dataclasses
-import os
+import functools
 import random
 import re
 import sys
-import textwrap
 import time
-from contextlib import nullcontext
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 import common
-from common import fmt_len, fmt_time, get_tokenizer, parse_lengths, peak_mem_gib
-from model import DRT, DRTConfig, skim_margin, window_reach
-from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, Haystack, in_reach, key_owner, make_example
+from common import (Progress, as_batch, build_model, fmt_len, get_tokenizer, load_haystack, parse_lengths,
+                    peak_mem_gib, prefill, read_checkpoint, retrieval_modes, shared_args, shared_problems)
+from model import skim_margin, window_reach
+from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, in_reach, key_owner, make_example
 from tasks import CHAINS, hop_hits, hop_spacing, min_length, needle_picks, needles_and_question, score, wilson
 
 # -----------------------------------------------------------------------------
 # Generation: a checkpoint, a prompt, model.generate
 
 
-def error(msg):
-    """A wrong argument or an unusable file: one line, no traceback."""
-    raise SystemExit(f"sample.py: error: {msg}")
-
-
-def read_checkpoint(path):
-    """train.py's checkpoint at path (a ckpt.pt or its out_dir), its tensors mapped, not read -> (checkpoint,
-    its DRTConfig), or a one-line CheckpointError."""
-    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        raise common.CheckpointError(f"no checkpoint at {path}: train one with train.py, or pass --out_dir/--ckpt")
-    ckpt = common.load_checkpoint(path, "point --out_dir/--ckpt at a ckpt.pt that train.py wrote", mmap=True)
-    try:
-        return ckpt, DRTConfig(**ckpt["model_args"])
-    except (TypeError, ValueError) as e:
-        raise common.CheckpointError(f"the config stored in {path} does not build a DRT: {e}") from None
-
-
-def build_model(ckpt, device, retriever=None):
-    """The checkpoint's DRT in eval mode on device; retriever: another retrieval mode than the one trained
-    (Table 4's ablations: learned, random, none), the same weights."""
-    cfg = DRTConfig(**ckpt["model_args"])
-    model = DRT(dataclasses.replace(cfg, retriever=retriever or cfg.retriever))
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:  # torch names each mismatch on a line of its own: the first three, on one
-        detail = textwrap.shorten("; ".join(line.strip(" \t.") for line in str(e).splitlines()[1:4]), 600)
-        raise common.CheckpointError(f"the checkpoint's weights do not fit the config stored with them ({cfg}): "
-                                     f"{detail}. Was it written by another version of model.py?") from None
-    return model.to(device).eval()
+error = functools.partial(common.error, "sample.py")  # a wrong argument or an unusable file: one line
 
 
 def read_prompt(prompt):
@@ -82,11 +50,6 @@ def read_prompt(prompt):
         error(f"--prompt={prompt}: cannot read it ({e.strerror}): give an existing text file, or the text itself")
     except UnicodeDecodeError:
         error(f"--prompt={prompt}: not UTF-8 text: give a text file, or the text itself")
-
-
-def as_batch(model, ids):
-    """Token ids -> (1, n) on the model's device."""
-    return torch.as_tensor(np.asarray(ids), dtype=torch.long, device=next(model.parameters()).device)[None]
 
 
 @torch.no_grad()
@@ -134,38 +97,6 @@ def print_samples(model, enc, prompt, args, ctx):
 
 LENGTHS = "4K,16K,64K,256K,1M"  # the tests' default context lengths
 MAX_LENGTH = common.MAX_LENGTH  # 64M tokens: the longest --lengths takes
-PROGRESS_AFTER = 10  # seconds between progress lines: short work stays quiet
-
-
-class Progress:
-    """progress(done) prints `label: done/total unit after T, ETA T`, at most every PROGRESS_AFTER seconds."""
-
-    def __init__(self, label, total, unit="tokens"):
-        self.label, self.total, self.unit = label, total, unit
-        self.t0 = self.last = time.time()
-
-    def __call__(self, done):
-        if time.time() - self.last > PROGRESS_AFTER:
-            self.last, dt = time.time(), time.time() - self.t0
-            print(f"  {self.label}: {done:,}/{self.total:,} {self.unit} after {fmt_time(dt)}, "
-                  f"ETA {fmt_time(dt * (self.total - done) / max(done, 1))}", flush=True)
-
-
-def prefill(model, ids, state, segment, progress=None, skim=None, record=None):
-    """Stream ids into the state, `segment` tokens a call; skim: a margin in tokens, or None. Segments that end
-    at least that far before ids' end go through DRT.skim (memory only): only what follows is read. record: a
-    list for DRT's record, each segment's GCA reads reduced at once (common.compact)."""
-    x = as_batch(model, ids)
-    for s in range(0, x.size(1), segment):
-        part = x[:, s : s + segment]
-        if skim is not None and s + part.size(1) <= x.size(1) - skim:
-            model.skim(part, state)
-        else:
-            seen = None if record is None else []
-            model(part, state=state, record=seen)
-            record is None or record.extend(common.compact(seen))
-        if progress:
-            progress(min(s + segment, x.size(1)))
 
 
 def answer_prompt(model, prompt, n, state, segment, progress=None, marks=()):
@@ -233,7 +164,7 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     """Accuracy of `task` at each context length, a table row each; depth: one --depth bin."""
     device, cfg = next(model.parameters()).device, model.config
     T, kw = cfg.chunk_size - 1, prompt_kwargs(args, cfg, depth)
-    sight = (cfg.n_lower + cfg.n_upper) * (cfg.window - 1) + 1  # each window sees W-1 positions back: nearer is seen
+    sight = window_reach(cfg, exact=True) + 1  # in_reach counts distances below it
     align = None if args.no_align else T
     hops = task == "vartrack"  # the per-group columns: hop h's hit@1 in group h (or the last)
     variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
@@ -330,35 +261,6 @@ def depth_bins(text):
     return bins if all(b == "reach" or 0 <= b <= 1 for b in bins) else None
 
 
-def shared_problems(args):
-    """[(wrong, message)] of the arguments sample.py and evaluate.py share (shared_args): the stream segment,
-    the device, the dtype and the retrieval modes."""
-    try:
-        device = torch.device(args.device)
-        kind, index = device.type, device.index or 0
-    except RuntimeError:
-        kind = index = None
-    gpus = torch.cuda.device_count()
-    return [
-        (args.segment < 1, f"--segment={args.segment}: must be >= 1"),
-        (kind is None, f"--device={args.device}: expected cpu, cuda or cuda:N"),
-        (kind == "cuda" and not torch.cuda.is_available(), f"--device={args.device}: no CUDA GPU here: pass --device=cpu"),
-        (kind == "cuda" and index >= gpus, f"--device={args.device}: this machine has {gpus} GPU(s), numbered from 0"),
-        (kind == "cpu" and args.dtype != "float32",
-         f"--dtype={args.dtype}: autocast runs on CUDA here; a CPU computes in float32: drop --dtype"),
-        (any(m not in ("learned", "random", "none") for m in (args.retrieval or "learned").split(",")),
-         f"--retrieval={args.retrieval}: expected learned, random, none, or a comma list of them")]
-
-
-def retrieval_modes(args, cfg):
-    """--retrieval's modes (None: as trained); a checkpoint without retrieval (groups=()) runs once, said so."""
-    if args.retrieval and not cfg.groups:
-        print(f"note: this checkpoint has no retrieval (groups=()), so --retrieval={args.retrieval} changes nothing: "
-              f"one run, its windows alone (retrieval none)")
-        return ["none"]
-    return args.retrieval.split(",") if args.retrieval else [cfg.retriever]
-
-
 def check_args(args):
     """The arguments that need no file or tokenizer, in order: the first wrong one is the error."""
     for bad, msg in [
@@ -385,39 +287,6 @@ def check_args(args):
          f"--depth={args.depth}: expected fractions of the filler in [0, 1] or 'reach', e.g. --depth=0.1,0.5,0.9")]:
         if bad:
             error(msg)
-
-
-def load_haystack(path, enc):
-    """The --haystack text, read once for every test, or a one-line ValueError; a .bin checked as train.py's."""
-    fix = "give a folder of .txt books or a .bin from prepare_pg19.py, or drop --haystack for the synthetic filler"
-    try:
-        if path.endswith(".bin") and os.path.isfile(path):  # cut short, of odd size, another vocabulary's
-            common.check_bin(path, fix=fix)  # refused as train.py and evaluate.py --docs refuse it
-        return Haystack(path, enc)
-    except (OSError, ValueError) as e:  # missing, empty or unreadable
-        why = str(e).rstrip(".")
-        if why.endswith(fix):  # check_bin's, which begins with the path
-            raise ValueError(f"--haystack {why}") from None
-        why = why if why.startswith("--haystack") else f"--haystack {path}: {why}"  # numpy's or the OS's words
-        raise ValueError(f"{why}: {fix}") from None
-
-
-def shared_args(p, seed_help):
-    """The arguments sample.py and evaluate.py share: the checkpoint, device and dtype, the stream."""
-    p.add_argument("--out_dir", default="out", help="folder with ckpt.pt from train.py")
-    p.add_argument("--ckpt", default=None, help="path to a checkpoint file (overrides --out_dir)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda, cuda:1, ... (default: %(default)s here, cuda where there is a GPU)")
-    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
-                   choices=["float32", "bfloat16", "float16"],
-                   help="autocast dtype on CUDA (default: %(default)s here, bfloat16 where there is a GPU)")
-    p.add_argument("--seed", type=int, default=1337, help=f"random seed ({seed_help})")
-    p.add_argument("--tokenizer_file", default=None, help="local gpt2.tiktoken (None: env DRT_GPT2_RANKS or download)")
-    p.add_argument("--segment", type=int, default=65536, help="stream segment in tokens (memory vs speed)")
-    p.add_argument("--offload", action="store_true", help="keep chunk keys/values in (pinned) host memory")
-    p.add_argument("--retrieval", default=None,
-                   help="learned, random, none (the window alone), or a comma list, each in turn (None: as trained)")
-    return p
 
 
 def arg_parser():
@@ -479,8 +348,7 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     print(f"loaded {args.ckpt or args.out_dir} (iter {ckpt.get('iter_num', '?')}): {cfg}")
-    cuda = torch.device(args.device).type == "cuda"
-    ctx = torch.autocast("cuda", dtype=getattr(torch, args.dtype)) if cuda and args.dtype != "float32" else nullcontext()
+    ctx = common.autocast(args)
     for mode in (modes := retrieval_modes(args, cfg)):
         try:
             model = build_model(ckpt, args.device, mode)

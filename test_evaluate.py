@@ -29,13 +29,13 @@ def test_copying_passes(tmp_path, monkeypatch, capsys):
     import evaluate
 
     class Induction(torch.nn.Module):  # copies from L and from L_far back, where those are within its reach
-        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,), retriever="learned", topk=2, read_next=False)
+        config = SimpleNamespace(window=128, chunk_size=64, n_lower=1, groups=(2,), retriever="learned", topk=2, code_read=False)
 
         def __init__(self, reach):
             super().__init__()
             self.w, self.reach = torch.nn.Parameter(torch.zeros(1)), reach
 
-        def forward(self, idx, targets, return_logits=True, picks=None):
+        def forward(self, idx, targets=None, state=None, picks=None):
             n, T = idx.shape
             logits = torch.zeros(n, T, 50304)
             logits[:, :, 50257:] = -1e9  # V = 50257 live tokens: a uniform guess costs ln(V)
@@ -84,15 +84,16 @@ def test_twins_handed_to_gca():
     assert handed >= 3
     model.eval()
     x = tokens(model.config, 2, k, seed=5).repeat(1, 2)  # (2, 2k): the span read twice
-    plain, record = all_logits(model, x), []
-    handed_logits = model(x, torch.zeros_like(x), picks=picks, record=record)[0]
+    plain = all_logits(model, x)
+    with model.recording() as record:
+        handed_logits = model(x, picks=picks)[0]
     got = [idx for _, idx, _ in retrievals(record)]  # the picks (B, n, K), per group
     assert len(got) == 2
     for idx in got:
         want = picks[: idx.size(1)]
         assert torch.equal(idx[:, want[:, 0] >= 0], want[want[:, 0] >= 0].expand(2, -1, -1))
     assert not torch.allclose(plain, handed_logits)  # GCA read other chunks
-    assert torch.equal(model(x, torch.zeros_like(x), picks=torch.full_like(picks, -1))[0], plain)
+    assert torch.equal(model(x, picks=torch.full_like(picks, -1))[0], plain)
     with pytest.raises(ValueError, match="picks are handed in for a whole row"):
         model(x, state=model.new_state(), picks=picks)
 
@@ -103,7 +104,6 @@ def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import evaluate
-    import sample
     tokenizer_or_skip(monkeypatch)
 
     class Largest(TorchDispatchMode):
@@ -116,7 +116,7 @@ def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
             return out
 
     monkeypatch.setattr(drt, "CE_ROWS", 64)
-    monkeypatch.setattr(sample, "PROGRESS_AFTER", -1)
+    monkeypatch.setattr(common, "PROGRESS_AFTER", -1)
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")  # far spans of 264 tokens, read twice
     with Largest() as largest:
         evaluate.main([f"--ckpt={ckpt}", "--copying", "--samples=4", "--device=cpu"])
@@ -145,18 +145,17 @@ def test_ppl_by_position(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
     import evaluate
-    import sample
     rng = np.random.default_rng(0)
     books = [rng.integers(0, 50257, n) for n in (1500, 300)]
     np.concatenate([books[0], [prepare_pg19.EOT], books[1], [prepare_pg19.EOT]]).astype(np.uint16).tofile(tmp_path / "t.bin")
     docs = evaluate.read_docs(str(tmp_path / "t.bin"), enc=None)
     assert [len(d) for _, d in docs] == [1500, 300] and all(np.array_equal(d, b) for (_, d), b in zip(docs, books))
-    ckpt, _ = sample.read_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64))
-    model = sample.build_model(ckpt, "cpu")
+    ckpt, _ = common.read_checkpoint(tiny_checkpoint(tmp_path / "ckpt.pt", window=64))
+    model = common.build_model(ckpt, "cpu")
     args, ctx = SimpleNamespace(segment=100, offload=False, plot=None), torch.autocast("cpu", enabled=False)
     whole = evaluate.doc_nll(model, docs[0][1], SimpleNamespace(segment=10**6, offload=False), ctx)
     assert whole.shape == (1499,) and torch.allclose(evaluate.doc_nll(model, docs[0][1], args, ctx), whole, atol=1e-4)
-    table = evaluate.perplexity({"learned": model, "none": sample.build_model(ckpt, "cpu", "none")}, docs, args, ctx)
+    table = evaluate.perplexity({"learned": model, "none": common.build_model(ckpt, "cpu", "none")}, docs, args, ctx)
     assert [n for n, _ in table["learned"]] == [1023 + 299, 476, 0, 0, 0, 0, 0, 1798]  # 0-1K, 1K-4K, ..., all
     assert table["learned"][1][1] == pytest.approx(whole[1023:].mean().item(), abs=1e-4)
     out = capsys.readouterr().out
@@ -189,8 +188,7 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
     from types import SimpleNamespace
 
     import evaluate
-    import sample
-    load = lambda path, **kw: sample.build_model(sample.read_checkpoint(tiny_checkpoint(path, **kw))[0], "cpu")  # noqa: E731
+    load = lambda path, **kw: common.build_model(common.read_checkpoint(tiny_checkpoint(path, **kw))[0], "cpu")  # noqa: E731
     model = load(tmp_path / "ckpt.pt", window=64, groups=(1, 1))
     ids = np.random.default_rng(1).integers(0, 50257, 1200)
     enc = SimpleNamespace(decode=lambda t: " ".join(map(str, t)))  # no tokenizer needed
@@ -198,7 +196,7 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
     got = evaluate.inspect(model, enc, ("doc", ids), 700, args, torch.autocast("cpu", enabled=False))
     c = 700 // 63
     state = model.new_state()
-    sample.prefill(model, ids[: c * 63], state, 10**6)
+    common.prefill(model, ids[: c * 63], state, 10**6)
     assert len(got) == 2
     for (g, picks), (idx, w) in zip(got, state.picks):
         want = sorted(zip(idx[0, 0].tolist(), w[0, 0].tolist()), key=lambda p: -p[1])
@@ -206,10 +204,10 @@ def test_inspect_shows_the_picks(tmp_path, capsys):
         assert [x for _, x in picks] == pytest.approx([x for _, x in want], abs=1e-6)
     out = capsys.readouterr().out
     assert f"chunk {c} (tokens" in out and out.count(" back): ") == 2 * model.config.topk
-    # under read_next each line shows the chunk GCA reads and, before it, Eq. 1's pick as DRT's record has it
-    nxt = load(tmp_path / "n.pt", window=64, read_next=True, center_memory=True)
+    # under code_read each line shows the chunk GCA reads and, before it, Eq. 1's pick as DRT's record has it
+    nxt = load(tmp_path / "n.pt", window=64, code_read=True)
     record, state = [], nxt.new_state()
-    sample.prefill(nxt, ids[: c * 63], state, 10**6, record=record)
+    common.prefill(nxt, ids[: c * 63], state, 10**6, record=record)
     t, eq1, w = next(r for r in retrievals(record) if c - 1 in r[0].tolist())
     a = t.tolist().index(c - 1)
     want = dict(zip(eq1[0, a].tolist(), w[0, a].tolist()))  # Eq. 1's picks at chunk c-1's landmark -> w

@@ -72,7 +72,7 @@ def test_landmark_id_default():
     model = DRT(DRTConfig(vocab_size=128, n_embd=32, n_head=4, n_lower=1, groups=(1,), n_enc=1, chunk_size=8,
                           window=16, topk=2))
     logits, _ = model(torch.randint(0, 127, (1, 30)))
-    assert logits.shape == (1, 1, 128)
+    assert logits.shape == (1, 30, 128)
 
 
 # -----------------------------------------------------------------------------
@@ -331,13 +331,11 @@ def test_retriever_learns():
     assert all(model.ret_norm[g].weight.grad.abs().sum() > 0 for g in range(2))
 
 
-@pytest.mark.parametrize("option", [dict(gca_sink=False), dict(center_memory=True), dict(read_next=True),
-                                    dict(pool_tokens=True), dict(pool_tokens=True, read_next=True, center_memory=True),
-                                    dict(pool_tokens=True, read_next=True, center_memory=True, gca_sink=False)],
-                         ids=["no_sink", "center_memory", "read_next", "pool_tokens", "tokens_next_cm", "code_teacher"])
+@pytest.mark.parametrize("option", [dict(code_read=True), dict(code_read=True, softmax_off_by_one=False, gumbel=False)],
+                         ids=["code_read", "code_teacher"])
 def test_retrieval_options_stream_and_train(option):
-    """Each departure from the paper's form, and config/code_teacher.py's four together: a stream cut into
-    segments computes what one forward does, and training reaches every parameter."""
+    """The departures from the paper's form (code_read), alone and with config/code_teacher.py's scoring: a stream cut
+    into segments computes what one forward does, and training reaches every parameter."""
     model = tiny_model(groups=(1, 1), **option)
     idx = tokens(model.config, 2, 97, seed=3)
     _, loss = model(idx, idx)
@@ -353,7 +351,7 @@ def test_retrieval_options_stream_and_train(option):
 def test_exact_ties_fall_to_the_earliest_chunk():
     """Chunks repeated word for word tie exactly in Eq. 1. rank_key orders by score, then the earlier chunk, for
     every float (negative, zero, -inf); so a stream picks what one forward picks, also where a pick j decides which
-    chunk j+1 GCA reads (read_next). Without it, topk broke such ties by where a chunk sat in its page."""
+    chunk j+1 GCA reads (code_read). Without it, topk broke such ties by where a chunk sat in its page."""
     g = torch.Generator().manual_seed(0)
     s = torch.randn(4000, generator=g).round(decimals=1)  # many exact ties
     s[::97], s[::89], s[::83] = float("-inf"), 0.0, -0.0
@@ -361,8 +359,7 @@ def test_exact_ties_fall_to_the_earliest_chunk():
     order = drt.rank_key(s, j).argsort(descending=True)
     want = sorted(range(4000), key=lambda i: (-s[i].item(), j[i].item()))  # -0.0 == 0.0, a tie
     assert order.tolist() == want
-    model = tiny_model(groups=(1, 1), pool_tokens=True, read_next=True, center_memory=True, gca_sink=False,
-                       gumbel=False, softmax_off_by_one=False).eval()  # config/code_teacher.py's form
+    model = tiny_model(groups=(1, 1), code_read=True, gumbel=False, softmax_off_by_one=False).eval()  # code_teacher.py's
     other = tokens(model.config, 2, 12 * 7, seed=4).view(2, 12, 7)
     idx = torch.stack([other[:, i // 2] if i % 2 else other[:, 0, :] for i in range(24)], 1).flatten(1)  # (2, 168)
     state = model.new_state()
@@ -370,30 +367,30 @@ def test_exact_ties_fall_to_the_earliest_chunk():
     assert rel_err(stream, all_logits(model, idx)) < 1e-10
 
 
-def test_center_memory_option():
-    """center_memory: GCA's keys/values come from the encoder's states minus their chunk's mean over its
+def test_code_read_centres_memory():
+    """code_read: GCA's keys/values come from the encoder's states minus their chunk's mean over its
     text positions, then normalised, so that a part every position shares (which dominates trained
     states) no longer shrinks what tells them apart; the landmark l (Eq. 1's key) is unchanged."""
     torch.manual_seed(0)
     c, noise = torch.randn(32, dtype=torch.float64), torch.randn(2, 3, 8, 32, dtype=torch.float64)
     x = 10 * c + 0.1 * noise  # (B, n, S, C): a shared part 100x the positions' own
     outs = {}
-    for center in (False, True):
-        enc = tiny_model(n_enc=0, center_memory=center).encoder
+    for code in (False, True):
+        enc = tiny_model(n_enc=0, code_read=code).encoder
         kv, l = enc(x)
         h = enc.ln_in(x)
-        h_mem = h - h[:, :, :-1].mean(2, keepdim=True) if center else h
-        want = enc.kv_mem(enc.ln_f(h_mem)).unflatten(-1, (2, 4, 8)).masked_fill(torch.arange(8).view(-1, 1, 1, 1) == 7, 0)
-        assert rel_err(kv, want) < 1e-12 and rel_err(l, enc.ln_f(h)[:, :, -1]) < 1e-12
+        h_mem = h - h[:, :, :-1].mean(2, keepdim=True) if code else h
+        want = enc.kv_mem(enc.ln_f(h_mem)).unflatten(-1, (2, 4, 8))
+        assert rel_err(kv[:, :, :-1], want[:, :, :-1]) < 1e-12 and rel_err(l, enc.ln_f(h)[:, :, -1]) < 1e-12
         k = F.normalize(kv[:, :, :-1, 0].flatten(-2), dim=-1)  # (B, n, S-1, C) text keys
-        outs[center] = (k @ k.transpose(-1, -2)).mean().item()  # mean cosine between a chunk's keys
+        outs[code] = (k @ k.transpose(-1, -2)).mean().item()  # mean cosine between a chunk's keys
     assert outs[False] > 0.99 and outs[True] < 0.5, outs
 
 
-def test_pool_tokens_and_read_next():
-    """pool_tokens: Eq. 1's query is chunk t's mean text embedding minus the mean of those over chunks 0..t
-    (in pieces as at once), its key chunk j's mean embedding; read_next: GCA of chunk t+1 reads chunk j+1
-    for each pick j of landmark t, weighted by j's score."""
+def test_code_read_pools_eq1_and_reads_next():
+    """code_read: Eq. 1's query is chunk t's mean text embedding minus the mean of those over chunks 0..t
+    (in pieces as at once), its key chunk j's mean embedding; GCA of chunk t+1 reads chunk j+1
+    for each pick j of landmark t (read_shift), weighted by j's score."""
     x = torch.randn(2, 5, 8, 32, dtype=torch.float64)  # (B, n, S, C)
     q, total = drt.centred_chunk_means(x, None, 0)
     m = x[:, :, :-1].mean(2)
@@ -403,14 +400,15 @@ def test_pool_tokens_and_read_next():
     q2, t2 = drt.centred_chunk_means(x[:, 2:], t1, 2)
     assert rel_err(torch.cat([q1, q2], 1), q) < 1e-12 and rel_err(t2, total) < 1e-12
 
-    model = tiny_model(pool_tokens=True, read_next=True).eval()
+    model = tiny_model(code_read=True).eval()
+    assert drt.read_shift(model.config) == 1
     idx = tokens(model.config, 2, 7 * 9, seed=5)  # 9 chunks
-    read, record = [], []
+    read = []
     gca = drt.gca
     drt.gca = lambda q, k, v, i, w: read.append(i) or gca(q, k, v, i, w)
     try:
-        with torch.no_grad():
-            model(idx, idx, record=record)
+        with torch.no_grad(), model.recording() as record:
+            model(idx, idx)
     finally:
         drt.gca = gca
     t, picks, w = retrievals(record)[0]  # (n,), (B, n, K), (B, n, K)
@@ -423,12 +421,13 @@ def test_pool_tokens_and_read_next():
     assert torch.equal(read[0][:, 3:9], (picks[:, 2:8] + 1).minimum(t[2:8, None]))  # chunk c+1 reads j+1
 
 
-def test_gca_sink_option():
-    """gca_sink=True (default): the landmark slot's key and value are zero, GCA's sink; False: a key like the others."""
+def test_code_read_has_no_sink():
+    """The paper's read path (default): the landmark slot's key and value are zero, GCA's sink; code_read: a key like
+    the others."""
     x = torch.randn(2, 3, 8, 32, dtype=torch.float64)
-    for sink in (True, False):
-        kv, _ = tiny_model(gca_sink=sink).encoder(x)  # (B, n, S, 2, H, D)
-        assert bool((kv[:, :, -1] == 0).all()) is sink and kv[:, :, :-1].abs().sum() > 0
+    for code in (False, True):
+        kv, _ = tiny_model(code_read=code).encoder(x)  # (B, n, S, 2, H, D)
+        assert bool((kv[:, :, -1] == 0).all()) is not code and kv[:, :, :-1].abs().sum() > 0
 
 
 def test_sink_share():
@@ -480,7 +479,7 @@ def test_group_2_queries_after_group_1_reads():
 
     def at_t(idx):  # the groups' queries at landmark t: (group 1's, group 2's)
         with torch.no_grad():
-            model(idx, torch.zeros_like(idx), picks=picks)
+            model(idx, picks=picks)
         return queries[0], queries[1]
 
     idx = tokens(model.config, 1, n * T, seed=0)
@@ -692,9 +691,9 @@ def test_model_kernel_equals_reference(monkeypatch):
     for impl in ("triton", "torch"):
         monkeypatch.setattr(drt, "GCA_IMPL", impl)
         torch.manual_seed(14)  # the same Gumbel noise for both
-        logits, loss = m(idx, idx)
+        logits, _ = m(idx)
         m.zero_grad()
-        loss.backward()
+        F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
         out[impl] = [logits] + [p.grad.clone() for p in m.parameters()]
     for a, b in zip(out["triton"], out["torch"]):
         assert rel_err(a, b) < 1e-4
@@ -739,9 +738,11 @@ def test_bad_input_errors():
         model(torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="targets"):
         model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
-    for ret in (True, False):  # the chunked loss would read -100 as token 0
+    with pytest.raises(ValueError, match="targets"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    for state in (None, model.new_state()):  # a row's chunked loss would read -100 as token 0
         with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 96\) or -1"):
-            model(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), -100), return_logits=ret)
+            model(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), -100), state=state)
     for bad, msg in [(dict(chunk_size=1), "chunk_size"), (dict(window=12), "window"), (dict(n_head=5), "n_head"),
                      (dict(landmark_id=96), "landmark_id"), (dict(topk=0), "topk"), (dict(groups=(2, 0)), "groups"),
                      (dict(n_head=0), "n_head=0"), (dict(groups=(1.5,)), r"groups=\(1.5,\): .* whole number"),
@@ -772,8 +773,9 @@ def test_no_future_leakage(groups):
 def test_configs_train(groups):
     model = tiny_model(groups=groups, dtype=torch.float32).train()
     idx = tokens(model.config, 2, 10 * 7 + 3, seed=6)
-    logits, loss = model(idx, idx)
-    assert logits.shape == (2, 73, 96) and torch.isfinite(loss)
+    logits, _ = model(idx)
+    none, loss = model(idx, idx)
+    assert logits.shape == (2, 73, 96) and none is None and torch.isfinite(loss)
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())  # every layer reads its GCA
     if not groups:
@@ -782,19 +784,20 @@ def test_configs_train(groups):
 
 @pytest.mark.parametrize("ce_rows", [4096, 16])
 def test_loss_without_logits(ce_rows, monkeypatch):
-    """return_logits=False (training) gives the same loss, and its gradients, from the targeted
-    positions only, whether the rows fit one chunk of LinearCrossEntropy or take several."""
+    """A whole row with targets (training, validation) gives the cross-entropy of its full logits, and its gradients,
+    without making them, whether the rows fit one chunk of LinearCrossEntropy or take several."""
     monkeypatch.setattr(drt, "CE_ROWS", ce_rows)  # 16: 70 rows in 5 chunks, the last one partial
     model = tiny_model(dtype=torch.float64).train()
     model.config.gumbel = False
     idx = tokens(model.config, 2, 5 * 7, seed=16)
     targets = torch.roll(idx, -1, 1)
     targets[:, ::3] = -1
-    logits, full = model(idx, targets)
+    logits, _ = model(idx)
+    full = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
     full.backward()
     g_full = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    none, loss = model(idx, targets, return_logits=False)
+    none, loss = model(idx, targets)
     loss.backward()
     assert none is None and logits.shape == (2, 35, 96)
     torch.testing.assert_close(loss, full)
@@ -802,26 +805,31 @@ def test_loss_without_logits(ce_rows, monkeypatch):
         torch.testing.assert_close(a, b)
 
 
-def test_loss_span_scores_the_answer_alone():
-    """loss_span=A (task rows: a short answer a row) gives the full loss and every gradient from A positions a row:
-    an answer mid-row, one cut by the row's end (its last position scored once), a row without targets; and
-    torch.compile takes it as one graph."""
+def test_targets_of_the_row_end_score_it_alone():
+    """Targets (B, A) score the row's last A positions alone (train.py's task rows, whose answer ends the row): the loss
+    and every gradient of the full targets, -1 elsewhere; an answer cut by the row's end, a row without targets; a
+    stream's segment gives the logits of those positions; torch.compile takes it as one graph."""
     model = tiny_model(dtype=torch.float64, gumbel=False).train()
     idx = tokens(model.config, 3, 5 * 7, seed=18)
     targets = torch.full_like(idx, -1)
-    targets[0, 20:24], targets[1, 33:] = idx[0, 21:25], idx[1, :2]  # 4 answer tokens; 2 at the row's end; none
-    _, full = model(idx, targets, return_logits=False)
+    targets[0, 28:32], targets[1, 33:] = idx[0, 29:33], idx[1, :2]  # 4 answer tokens; 2 at the row's end; none
+    _, full = model(idx, targets)
     full.backward()
     g_full = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    _, loss = model(idx, targets, return_logits=False, loss_span=4)
+    _, loss = model(idx, targets[:, -8:])
     loss.backward()
     torch.testing.assert_close(loss, full)
     for a, p in zip(g_full, model.parameters()):
         torch.testing.assert_close(p.grad, a)
+    with torch.no_grad():
+        logits, streamed = model.eval()(idx, targets[:, -8:], state=model.new_state())
+    assert logits.shape == (3, 8, 96)
+    torch.testing.assert_close(logits, model(idx)[0][:, -8:])
+    torch.testing.assert_close(streamed, full)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(idx, targets, return_logits=False, loss_span=4)[1], full)
+    compiled = torch.compile(model.train(), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(idx, targets[:, -8:])[1], full)
 
 
 def test_loss_without_grad_makes_no_gradients(monkeypatch):
@@ -858,20 +866,20 @@ def test_compile_whole_model(form):
     without needing a C++ compiler."""
     import train
     torch._dynamo.reset()
-    code = dict(gca_sink=False, center_memory=True, read_next=True, pool_tokens=True, softmax_off_by_one=False)
+    code = dict(code_read=True, softmax_off_by_one=False)
     model = tiny_model(dtype=torch.float32, gumbel=False, **(code if form == "code_teacher" else {})).train()  # same picks
     idx = tokens(model.config, 2, 5 * 7 + 3, seed=17)
     targets, picks = torch.roll(idx, -1, 1), None
     if form == "code_teacher":
         picks = train.teacher_picks(idx, model.config)
         assert (picks >= 0).any()
-    _, ref = model(idx, targets, return_logits=False, picks=picks)
+    _, ref = model(idx, targets, picks=picks)
     ref.backward()
     g_ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, loss = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, targets, return_logits=False, picks=picks)
+        _, loss = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, targets, picks=picks)
         loss.backward()
     assert not [f"{w.filename}: {w.message}" for w in caught if "torch" in w.filename]
     torch.testing.assert_close(loss, ref)
@@ -905,7 +913,7 @@ def test_compile_inverts_selection_once_per_group(groups, monkeypatch):
     model = tiny_model(dtype=torch.float32, groups=groups, n_embd=64, chunk_size=16, window=32)  # D = 16
     model = model.to(DEVICE).train()  # the kernel: natively on a GPU, interpreted on a CPU
     idx = tokens(model.config, 1, 6 * 15, seed=5).to(DEVICE)
-    _, loss = torch.compile(model, backend=backend, fullgraph=True)(idx, idx, return_logits=False)
+    _, loss = torch.compile(model, backend=backend, fullgraph=True)(idx, idx)
     loss.backward()
     assert counts["gca_bwd"] == sum(groups)  # one kernel call per upper layer
     assert counts["sort"] == 2 * len(groups)  # two argsorts per group
@@ -924,7 +932,7 @@ def test_cuda_compiled_step_has_no_host_sync():
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(idx, idx, return_logits=False)
+            _, loss = model(idx, idx)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -991,14 +999,12 @@ def test_windows_see_w_minus_1_back():
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-@pytest.mark.parametrize("groups, option", [((2,), {}), ((1, 1), {}), ((1, 1), dict(pool_tokens=True, read_next=True)),
-                                            ((1, 1), dict(pool_tokens=True))], ids=["G1", "G2", "G2-tokens-next", "G2-tokens"])
+@pytest.mark.parametrize("groups, option", [((2,), {}), ((1, 1), {}), ((1, 1), dict(code_read=True))],
+                         ids=["G1", "G2", "G2-code_read"])
 def test_skim_keeps_the_end(groups, option, offload):
     """A prompt skimmed (DRT.skim, memory only) in all its segments that end skim_margin tokens before its
     end gives the full stream's picks there and its logits after it; skimming up to the end does not (the
     upper layers' states reach that far)."""
-    import sample
-
     model = tiny_model(groups=groups, **option).eval()
     idx = tokens(model.config, 1, 400, seed=21)
     margin = drt.skim_margin(model.config)
@@ -1008,7 +1014,7 @@ def test_skim_keeps_the_end(groups, option, offload):
         def stream(skim):
             state, skims = model.new_state(offload=offload), []
             model.skim = lambda *a: skims.append(DRT.skim(model, *a))
-            sample.prefill(model, idx[0, :300].tolist(), state, 37, skim=skim)  # 37: segments cut chunks
+            common.prefill(model, idx[0, :300].tolist(), state, 37, skim=skim)  # 37: segments cut chunks
             del model.skim
             return state, all_logits(model, idx[:, 300:], state), len(skims)
 
@@ -1061,8 +1067,8 @@ def stream_picks(model, idx, state=None):
     forward (state=None) or token by token through a StreamState."""
     S, G = model.config.chunk_size, len(model.config.groups)
     if state is None:
-        record = []  # one ("picks", chunk ids, idx, w) per group
-        model(idx, record=record)
+        with model.recording() as record:  # one ("picks", chunk ids, idx, w) per group
+            model(idx)
         records = retrievals(record)
         return [records[g][1][0].sort(-1).values for g in range(G)]
     picks = [[] for _ in range(G)]
@@ -1144,8 +1150,9 @@ def test_retriever_random_and_none(monkeypatch):
     model = tiny_model(seed=3).eval()
     cfg, K = model.config, model.config.topk
     idx = tokens(cfg, 2, 12 * (cfg.chunk_size - 1), seed=4)
-    seen, record = spy_retrieval(monkeypatch), []
-    _, learned = model(idx, idx, record=record)
+    seen = spy_retrieval(monkeypatch)
+    with model.recording() as record:
+        _, learned = model(idx, idx)
 
     def as_mode(mode):  # the same weights, another retrieval mode
         other = DRT(dataclasses.replace(cfg, retriever=mode)).to(torch.float64).eval()
@@ -1153,9 +1160,11 @@ def test_retriever_random_and_none(monkeypatch):
         return other
     (t, picks_l, _), = retrievals(record)
     for seed in (0, 1):
-        record, seen[:] = [], []
+        seen[:] = []
         torch.manual_seed(seed)
-        as_mode("random")(idx, idx, record=record)
+        random_mode = as_mode("random")
+        with random_mode.recording() as record:
+            random_mode(idx, idx)
         (_, picks, w), (q, lm) = retrievals(record)[0], seen[0]
         ok = torch.arange(K) < t.clamp(max=K)[:, None]  # (n, K) eligible slots
         assert (picks[:, ok] < t[:, None].expand(-1, K)[ok]).all()  # strictly earlier

@@ -39,10 +39,11 @@ def test_tasks(task, monkeypatch):
     x, y, _ = tasks.get_batch(task, 3, 256, rng, enc)
     assert x.shape == y.shape == (3, 256)
     # the loss on the answer and the full stop that ends it, then filler to the row's end: MAX_ANSWER positions at
-    # most from the first, all train.py's loss_span scores
+    # most, among the row's last MAX_ANSWER (unaligned), the end train.py scores alone
     for b in range(3):
         on = (y[b] != -1).nonzero().squeeze(1)
         assert 2 <= len(on) <= tasks.MAX_ANSWER and torch.equal(on, torch.arange(on[0], on[0] + len(on)))
+        assert on[0] >= 256 - tasks.MAX_ANSWER
         assert torch.equal(y[b, on[:-1]], x[b, on[1:]])  # the next token where the loss is
         said = enc.decode(x[b, on[0] + 1 : on[-1] + 1].tolist() + [y[b, on[-1]].item()]).strip()
         assert said.endswith(tasks.ANSWER_END) and said[:-1].isdigit(), said
@@ -675,17 +676,18 @@ def test_sample_shortest_length(tmp_path, monkeypatch, capsys):
 
 def test_sample_haystack_read_once(tmp_path, monkeypatch, capsys):
     import sample
+    import tasks
     tokenizer_or_skip(monkeypatch)
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("The fox ran over the hill and back again. " * 200)
     made = []
 
-    class Counted(sample.Haystack):
+    class Counted(tasks.Haystack):
         def __init__(self, *a):
             made.append(a[0])
             super().__init__(*a)
 
-    monkeypatch.setattr(sample, "Haystack", Counted)
+    monkeypatch.setattr(tasks, "Haystack", Counted)
     sample.main([f"--ckpt={tiny_checkpoint(tmp_path / 'a.pt')}", "--passkey", "--vartrack", "--chains=2", "--lengths=1K",
                  "--samples_per_length=1", f"--haystack={tmp_path / 'books'}", "--device=cpu"])
     assert len(made) == 1 and capsys.readouterr().out.count("filler from") == 2  # one read, both tests

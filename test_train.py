@@ -97,8 +97,8 @@ def test_config_files_layer():
     train.check_config(c)
     cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
     assert (c["block_size"], cfg.n_embd, cfg.topk) == (8190, 384, 4)  # code_lm's shape stays
-    assert 0 < c["teacher_iters"] < c["max_iters"] and cfg.read_next and not cfg.softmax_off_by_one
-    assert {"teacher_iters", "pool_tokens", "block_size", "learning_rate"} <= explicit
+    assert 0 < c["teacher_iters"] < c["max_iters"] and cfg.code_read and not cfg.softmax_off_by_one
+    assert {"teacher_iters", "code_read", "block_size", "learning_rate"} <= explicit
     assert c["learning_rate"] < parse([os.path.join(HERE, "config", "code_lm.py")])[0]["learning_rate"]
 
 
@@ -470,31 +470,36 @@ def test_bad_checkpoint_files(tmp_path):
 
 def test_checkpoints_of_removed_options(tmp_path):
     """A checkpoint written before ret_dim, enc_rope, pool_retrieval="states" and repeat_frac were removed loads
-    and resumes when they hold their off values (pool_retrieval="tokens" is today's pool_tokens=True), with the
-    same logits; any other value is one line that names the option. A key added since (center_memory) takes its
-    default, the model before the key existed."""
-    import sample
+    and resumes when they hold their off values (pool_retrieval="tokens" was pool_tokens=True); one written before
+    the read path's four switches became code_read loads with all four at config/code_teacher.py's values as
+    code_read=True, with the same logits, and resumes; one older than some of the four takes the paper's values for
+    those. Any other value, or a mix of the four, is one line that names the option."""
     run = ["--max_iters=1", "--eval_interval=1", "--eval_iters=1"]
-    train.main(tiny_args(tmp_path, "run", *run, "--pool_tokens=True"))
+    train.main(tiny_args(tmp_path, "run", *run, "--code_read=True"))
     ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
-    was = dict(ret_dim=0, enc_rope=False, pool_retrieval="tokens")  # how the earlier version stored the run
-    new = ("pool_tokens", "center_memory")
-    old = {**ckpt, "model_args": {k: v for k, v in ckpt["model_args"].items() if k not in new} | was,
-           "config": {k: v for k, v in ckpt["config"].items() if k not in new} | was | dict(repeat_frac=0.0)}
-    os.makedirs(tmp_path / "old")
-    torch.save(old, tmp_path / "old" / "ckpt.pt")
+    was = dict(ret_dim=0, enc_rope=False, pool_retrieval="tokens", gca_sink=False, center_memory=True,
+               read_next=True)  # how the earlier versions stored the run
+    before = lambda part, **kw: {k: v for k, v in ckpt[part].items() if k != "code_read"} | kw  # noqa: E731
+    old = {**ckpt, "model_args": before("model_args", **was), "config": before("config", **was, repeat_frac=0.0)}
+    for name, saved in (("old", old), ("paper", {**ckpt, "model_args": before("model_args", gca_sink=True)})):
+        os.makedirs(tmp_path / name)
+        torch.save(saved, tmp_path / name / "ckpt.pt")
+    assert common.read_checkpoint(str(tmp_path / "paper"))[1].code_read is False  # before center_memory existed
     x = torch.randint(0, 95, (2, 30))
-    logits = [sample.build_model(sample.read_checkpoint(str(tmp_path / r))[0], "cpu")(x, x)[0] for r in ("run", "old")]
+    logits = [common.build_model(common.read_checkpoint(str(tmp_path / r))[0], "cpu")(x)[0] for r in ("run", "old")]
     assert torch.equal(*logits)
     train.main(tiny_args(tmp_path, "old", "--init_from=resume", "--max_iters=2", "--eval_interval=1", "--eval_iters=1"))
     resumed = load_ckpt(tmp_path / "old")
-    assert resumed["config"]["pool_tokens"] is True and resumed["model_args"]["center_memory"] is False
+    assert resumed["config"]["code_read"] is True and resumed["model_args"]["code_read"] is True
     for part, key, value in [("model_args", "ret_dim", 16), ("model_args", "enc_rope", True),
-                             ("model_args", "pool_retrieval", "states"), ("config", "repeat_frac", 0.5)]:
+                             ("model_args", "pool_retrieval", "states"), ("config", "repeat_frac", 0.5),
+                             ("model_args", "center_memory", False)]:
         torch.save({**old, part: old[part] | {key: value}}, tmp_path / "old" / "ckpt.pt")
-        for load in (lambda: sample.read_checkpoint(str(tmp_path / "old")),
+        said = ("gca_sink=False, center_memory=False, read_next=True, pool_tokens=True, a mix" if key == "center_memory"
+                else key)
+        for load in (lambda: common.read_checkpoint(str(tmp_path / "old")),
                      lambda: train.main(tiny_args(tmp_path, "old", "--init_from=resume", "--max_iters=3"))):
-            with pytest.raises(common.CheckpointError, match=f"old.ckpt.pt was trained with {key}.*removed") as e:
+            with pytest.raises(common.CheckpointError, match=f"old.ckpt.pt was trained with {said}.*removed") as e:
                 load()
             assert "\n" not in str(e.value)
 
@@ -513,7 +518,7 @@ def test_passkey_task(tmp_path, monkeypatch):
                        f"--out_dir={tmp_path / 'out'}"])
     assert [it for it, _ in hist] == [1, 2] and all(np.isfinite(loss) for _, loss in hist)
     assert load_ckpt(tmp_path / "out")["model_args"]["vocab_size"] == 50304  # GPT-2's vocabulary
-    assert scored == [6 / 70]  # tasks.MAX_ANSWER of a 70-token row
+    assert scored == [12 / 70]  # the row's end that holds the answer, tasks.MAX_ANSWER + chunk_size - 2 of 70
     with pytest.raises(train.ConfigError, match=r"needles from token 490: raise --block_size or lower --task_min_depth"):
         train.main(["--dataset=passkey", "--block_size=504", "--task_min_depth=490", "--device=cpu",
                     f"--out_dir={tmp_path / 'x'}"])
@@ -829,34 +834,32 @@ def test_train_reports_retrieval_health(tmp_path, capsys):
     import types
 
     import common
-    import sample
     train.main(tiny_args(tmp_path, "drt", "--max_iters=3"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
     health = r"\| retrieval: sum w ([01]\.\d{3}), max w ([01]\.\d{3}), sink ([01]\.\d\d)$"
     assert len(lines) == 2 and all(re.search(health, x) for x in lines)
     ckpt = load_ckpt(tmp_path / "drt")  # the model of the last line
     c = types.SimpleNamespace(**ckpt["config"])
-    model, record = sample.build_model(ckpt, "cpu"), []
-    with torch.no_grad():
-        model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)),
-              return_logits=False, record=record)
+    model = common.build_model(ckpt, "cpu")
+    with torch.no_grad(), model.recording() as record:
+        model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)))
     stats = common.retrieval_stats(record, c.topk)
     assert re.search(health, lines[-1]).groups() == (f"{stats['sum_w']:.3f}", f"{stats['max_w']:.3f}", f"{stats['sink']:.2f}")
-    train.main(tiny_args(tmp_path, "nosink", "--max_iters=3", "--gca_sink=False"))  # the slot is a key like the others
+    train.main(tiny_args(tmp_path, "nosink", "--max_iters=3", "--code_read=True"))  # the slot is a key like the others
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
     assert len(lines) == 2 and all(re.search(health.replace("sink", "landmark slot"), x) for x in lines)
     train.main(tiny_args(tmp_path, "base", "--max_iters=3", "--groups=()", "--n_lower=2"))
     assert "retrieval:" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("read_next", [False, True])
-def test_teacher_picks(read_next):
+@pytest.mark.parametrize("code_read", [False, True])
+def test_teacher_picks(code_read):
     """teacher_iters' picks: for landmark t, the readable chunks before t sharing the most idf-weighted ids with
-    chunk t+1, as the picks Eq. 1 would make (under read_next, the chunk before each): a chunk that
+    chunk t+1, as the picks Eq. 1 would make (under code_read, the chunk before each): a chunk that
     recurs is read for its repeat, and no pick reads chunk t or later."""
     cfg = DRTConfig(vocab_size=64, landmark_id=63, n_embd=32, n_head=4, n_lower=1, groups=(1,), chunk_size=4,
-                    window=8, topk=2, read_next=read_next)
-    T, first = cfg.chunk_size - 1, int(read_next)
+                    window=8, topk=2, code_read=code_read)
+    T, first = cfg.chunk_size - 1, int(code_read)
     chunks = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [4, 5, 6], [10, 11, 12], [7, 8, 13], [20, 21]]  # 3 repeats 1, 5 shares 7, 8 with 2
     idx = torch.tensor([sum(chunks, [])])
     picks = train.teacher_picks(idx, cfg)  # (1, 6, 2): the 6 complete chunks' landmarks
@@ -865,7 +868,7 @@ def test_teacher_picks(read_next):
     assert reads[2, 0] == 1 and reads[4, 0] == 2  # chunk 3 reads its source, chunk 5 the chunk sharing 7, 8
     t = torch.arange(6)[:, None]
     assert ((reads == -1) | ((reads >= first) & (reads < t))).all()  # only chunks before t, and readable
-    assert (reads[0] == -1).all() and (reads[1, 1] == -1) and (reads[1, 0] == (-1 if read_next else 0))
+    assert (reads[0] == -1).all() and (reads[1, 1] == -1) and (reads[1, 0] == (-1 if code_read else 0))
     assert len(set(reads[5].tolist())) == 2  # K distinct chunks where K are readable
 
 
@@ -878,12 +881,13 @@ def test_teacher_slots_keep_eq1s_best():
     K, idx = cfg.topk, tokens(cfg, 2, 6 * cfg.chunk_size, 0)
     full, one = train.teacher_picks(idx, cfg), train.teacher_picks(idx, cfg, slots=1)  # (B, n, K)
     assert (one[..., -1] == full[..., 0]).all() and (one[..., :-1] == -1).all()
-    plain, handed = [], []
-    model(idx, record=plain)
+    with model.recording() as plain:
+        model(idx)
     _, eq1, _ = retrievals(plain)[0]  # (B, n, K): Eq. 1's picks, best first
     picks = torch.full_like(eq1, -1)
     picks[..., -1] = eq1[..., 0]  # Eq. 1's best, handed in again in the last slot
-    model(idx, record=handed, picks=picks)
+    with model.recording() as handed:
+        model(idx, picks=picks)
     _, got, w = retrievals(handed)[0]
     assert (got[..., :-1] == eq1[..., :-1]).all() and (got[..., -1] == eq1[..., 0]).all()
     later = torch.arange(got.size(1)) >= K  # landmarks with K earlier chunks: every slot eligible in Eq. 1
@@ -895,9 +899,9 @@ def test_teacher_iters_feed_training_only(tmp_path, monkeypatch):
     the checkpoint use Eq. 1 alone (no picks handed in)."""
     seen, orig = [], DRT.retrieve
 
-    def spy(self, g, h, chunk_ids, memory, picks=None, record=None):
+    def spy(self, g, h, chunk_ids, memory, picks=None):
         seen.append((self.training, picks is not None))
-        return orig(self, g, h, chunk_ids, memory, picks, record)
+        return orig(self, g, h, chunk_ids, memory, picks)
     monkeypatch.setattr(DRT, "retrieve", spy)
     train.main(tiny_args(tmp_path, "t", "--teacher_iters=2", "--max_iters=4", "--eval_interval=4",
                          "--eval_iters=1"))
@@ -926,8 +930,8 @@ def test_teacher_hops_hands_each_group_its_hop(tmp_path, monkeypatch):
     handed = torch.randint(0, 3, (2, 60 // 7, model.config.topk)).masked_fill(torch.rand(2, 60 // 7, 3) < 0.5, -1)
     handed = handed.minimum(torch.arange(60 // 7)[None, :, None] - 1)  # earlier chunks, or -1
     with torch.no_grad():
-        shared = model(idx, torch.zeros_like(idx), picks=handed)[0]
-        per_group = model(idx, torch.zeros_like(idx), picks=handed[:, None].expand(-1, 2, -1, -1))[0]
+        shared = model(idx, picks=handed)[0]
+        per_group = model(idx, picks=handed[:, None].expand(-1, 2, -1, -1))[0]
     assert torch.equal(shared, per_group)
     tokenizer_or_skip(monkeypatch)
     args = ["--dataset=vartrack", "--task_chains=2", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,1",
@@ -994,11 +998,11 @@ def test_needle_labels_point_at_the_asked_key(monkeypatch):
 
 
 def test_needle_rank_loss_against_a_loop():
-    """model.needle_rank_loss: the mean over labelled landmarks of -log softmax of Eq. 1's scores at the needle, over
+    """tasks.needle_rank_loss: the mean over labelled landmarks of -log softmax of Eq. 1's scores at the needle, over
     the row's earlier chunks but the needle's neighbours and the other rows' chunks before their own landmark, off
     their needle and its neighbours; its gradient raises the needle's score over its rivals."""
     import math
-    from model import needle_rank_loss
+    from tasks import needle_rank_loss
     torch.manual_seed(0)
     B, n, C = 4, 7, 8
     q, l = torch.randn(B, n, C, requires_grad=True), torch.randn(B, n, C)
@@ -1027,24 +1031,47 @@ def test_needle_rank_loss_against_a_loop():
 
 
 def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
-    """--needle_loss: forward gets each micro-batch's labels in training (not in evaluation), and the run trains; a text
-    dataset, which has no needles, is refused before anything is made."""
+    """--needle_loss: each training micro-batch's labels meet the Eq. 1 queries its forward recorded (evaluation has
+    none), and the run trains; a text dataset, which has no needles, is refused before anything is made."""
+    import tasks
     tokenizer_or_skip(monkeypatch)
-    seen, orig = [], DRT.forward
+    seen, orig = [], tasks.needle_loss
 
-    def spy(self, idx, *args, needles=None, **kwargs):
-        seen.append((self.training, None if needles is None else tuple(needles.shape)))
-        return orig(self, idx, *args, needles=needles, **kwargs)
-    monkeypatch.setattr(DRT, "forward", spy)
+    def spy(record, labels):
+        seen.append((tuple(labels.shape), [r[1].requires_grad for r in record if r[0] == "eq1"]))
+        return orig(record, labels)
+    monkeypatch.setattr(tasks, "needle_loss", spy)
     args = ["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1", "--chunk_size=8",
             "--window=16", "--topk=3", "--block_size=70", "--batch_size=4", "--tokens_per_step=560", "--max_iters=2",
             "--eval_interval=2", "--eval_iters=1", "--device=cpu", "--needle_loss=0.5", f"--out_dir={tmp_path / 'n'}"]
     hist = train.main(args)  # two micro-batches a step
     assert all(np.isfinite(loss) for _, loss in hist)
-    assert [s for training, s in seen if training] == [(4, 1, 70 // 7)] * 4
-    assert {s for training, s in seen if not training} == {None}
+    assert seen == [((4, 1, 70 // 7), [True])] * 4  # one group's queries, in the graph
     with pytest.raises(train.ConfigError, match="needle_loss"):
         train.main(tiny_args(tmp_path, "text", "--needle_loss=0.5", "--max_iters=2"))
+
+
+def test_needle_loss_under_compile():
+    """The needle loss reads Eq. 1's queries and landmarks from DRT.recording(): under torch.compile (one graph;
+    aot_eager traces and differentiates as on the GPU) the answer's loss with it, and every gradient, are eager's."""
+    import tasks
+    from conftest import tiny_model, tokens
+    torch._dynamo.reset()
+    model = tiny_model(groups=(1, 1), dtype=torch.float32, gumbel=False).train()
+    idx = tokens(model.config, 2, 10 * 7, seed=3)
+    labels = torch.full((2, 2, 10), -1)  # (B, G, n)
+    labels[0, 0, 6], labels[0, 1, 8], labels[1, :, 9] = 2, 4, 5  # row 0: two hops; row 1: one, in both groups
+
+    def step(run):
+        with model.recording() as record:
+            _, loss = run(idx, idx)
+        total = loss + 0.5 * tasks.needle_loss(record, labels)
+        model.zero_grad()
+        total.backward()
+        return [total.detach()] + [p.grad.clone() for p in model.parameters()]
+    eager = step(model)
+    for a, b in zip(eager, step(torch.compile(model, backend="aot_eager", fullgraph=True))):
+        torch.testing.assert_close(a, b)
 
 
 def test_train_embeddings_false_keeps_them(tmp_path):

@@ -43,7 +43,7 @@ import tasks
 from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, out_dir_lock, peak_flops,
                     peak_mem_gib, retrieval_stats, saved_at, sink_label, stopped)
 from configurator import ConfigError, configure, keys_of, print_help
-from model import DRT, DRTConfig, cdiv
+from model import DRT, DRTConfig, cdiv, read_shift
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
 # I/O
@@ -62,7 +62,7 @@ copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.co
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
 teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
 teacher_hops = False  # task rows: a landmark where some group has a needle label hands the teacher's chunks to those groups alone (an experiment)
-needle_loss = 0.0  # task rows: weight of model.needle_rank_loss, Eq. 1 ranking the asked needle first in the batch
+needle_loss = 0.0  # task rows: weight of tasks.needle_rank_loss, Eq. 1 ranking the asked needle first in the batch
 train_embeddings = True  # False: a fine-tune keeps init_from's token embeddings (and so the tied output layer)
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
@@ -155,12 +155,18 @@ class Data:
         except (OSError, ValueError) as e:
             raise ConfigError(e) from None
         self.vocab, self.device, self.T, self.G = self.rows.vocab, device, c.chunk_size - 1, len(c.groups)
-        self.span = tasks.MAX_ANSWER if is_tasks(c.dataset) else 0  # task rows score their answer alone: its span
+        # task rows score their answer alone, which ends the row (tasks.get_batch: the prompt takes all but MAX_ANSWER
+        # tokens, up to T-1 fewer to align its question): their targets are that end, where alone logits are made
+        self.span = tasks.MAX_ANSWER + self.T - 1 if is_tasks(c.dataset) else 0
 
-    def batch(self, split, rng, training=False, needles=False):  # (x, y), (B, T) each, on the device
-        pin = self.device.type == "cuda"  # needles: + tasks.needle_labels (B, groups, T // (chunk_size - 1))
+    def batch(self, split, rng, training=False, needles=False):
+        """x (B, T) and its targets y on the device, (B, T) or of task rows (B, span): the row's end; needles: and
+        tasks.needle_labels (B, groups, T // (chunk_size - 1))."""
         x, y, hop1 = self.rows.batch(split, rng, training)
-        rows = (x, y, tasks.needle_labels(x, y, self.T, self.G, hop1)) if needles else (x, y)
+        rows = (x, y[:, -self.span :] if self.span else y) + ((tasks.needle_labels(x, y, self.T, self.G, hop1),)
+                                                              if needles else ())
+        assert not self.span or (y[:, : -self.span] == -1).all(), "a task row scores a token before its end"
+        pin = self.device.type == "cuda"
         return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin) for t in rows)
 
 
@@ -181,7 +187,7 @@ def teacher_picks(idx, cfg, slots=0):
     idf = torch.log((nc + 1) / (bag.float().sum(1, keepdim=True) + 1)).to(bag.dtype)  # (B, 1, V): rare ids count
     score = torch.einsum("btv,brv->btr", bag[:, 1 : n + 1] * idf, bag[:, :n]).float()  # (B, n, n): chunk t+1 . chunk r
     t, r = torch.arange(n, device=idx.device)[:, None], torch.arange(n, device=idx.device)
-    first = 1 if cfg.read_next else 0  # under read_next a pick j reads chunk j+1: chunk 0 cannot be read
+    first = read_shift(cfg)  # GCA reads chunk j + first for a pick j: under code_read, chunk 0 is never read
     score = score.masked_fill((r < first) | (r >= t), float("-inf"))  # chunks before t (t itself: the window's)
     best, read = score.topk(min(K, n), -1)  # (B, n, K)
     picks = (read - first).masked_fill(best == float("-inf"), -1)
@@ -232,14 +238,13 @@ def estimate_loss(model, raw_model, data, c, autocast):
         for k in range(c.eval_iters):
             x, y = data.batch(split, step_rng(c.seed, split, "eval", k))
             with autocast:
-                _, loss = model(x, y, return_logits=False, loss_span=data.span)
+                _, loss = model(x, y)
             total += loss.float()
             progress(t0, f"eval {split}: micro-batch {k + 1}/{c.eval_iters} done")
         out[split] = total.item() / c.eval_iters
-    record = []
-    if c.groups:
-        with autocast:
-            raw_model(*data.batch("val", step_rng(c.seed, "val", "eval", 0)), return_logits=False, record=record)
+    with autocast, raw_model.recording() as record:
+        if c.groups:
+            raw_model(*data.batch("val", step_rng(c.seed, "val", "eval", 0)))
     model.train()
     return out, retrieval_stats(record, c.topk)
 
@@ -278,8 +283,8 @@ def check_run(c, given, ckpt, src, world_size, device):
     if c.needle_loss and not is_tasks(c.dataset):
         raise ConfigError(f"--needle_loss ranks the asked needle of task rows, which only the task datasets "
                           f"({', '.join(tasks.TRAINED)}) have; --dataset={c.dataset} is text")
-    if c.needle_loss and (not c.groups or c.read_next):
-        raise ConfigError("--needle_loss trains Eq. 1's ranking, which needs a model with groups and read_next=False")
+    if c.needle_loss and (not c.groups or c.code_read):
+        raise ConfigError("--needle_loss trains Eq. 1's ranking, which needs a model with groups and code_read=False")
     if not c.train_embeddings and c.init_from == "scratch":
         raise ConfigError("train_embeddings=False keeps trained embeddings: fine-tune them with --init_from=<run>")
     if not 0 <= c.teacher_slots <= c.topk:
@@ -347,18 +352,17 @@ def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum,
         if micro:
             progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
         g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-        x, y, *needles = data.batch("train", step_rng(c.seed, "train", iter_num, g), True,
-                                    c.needle_loss > 0 or c.teacher_hops)
+        x, y, *labels = data.batch("train", step_rng(c.seed, "train", iter_num, g), True,
+                                   c.needle_loss > 0 or c.teacher_hops)
         torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
         picks = teacher_picks(x, raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None  # (B, n, K) or None
         if picks is not None and c.teacher_hops:
-            picks = per_hop(picks, needles[0])  # (B, G, n, K)
-        needles = needles if c.needle_loss > 0 else []
+            picks = per_hop(picks, labels[0])  # (B, G, n, K)
         with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
-            with autocast:
-                _, loss, *ranking = model(x, y, return_logits=False, picks=picks, needles=needles[0] if needles else None,
-                                          loss_span=data.span)
-            ((loss + c.needle_loss * ranking[0] if ranking else loss) / grad_accum).backward()
+            with autocast, raw_model.recording() if c.needle_loss else nullcontext() as record:  # Eq. 1's, for the ranking
+                _, loss = model(x, y, picks=picks)
+                total = loss + c.needle_loss * tasks.needle_loss(record, labels[0]) if c.needle_loss else loss
+            (total / grad_accum).backward()
         step_loss = step_loss + loss.detach().float() / grad_accum
     if c.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)

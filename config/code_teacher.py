@@ -13,12 +13,13 @@ teacher_iters = 3000
 learning_rate = 1e-3
 min_lr = 1e-4
 
-# The four departures of the read path (model.py's DRTConfig): the runs in which GCA first copied on code
-# used them together; with the paper's read path, handed the right chunks, it did not copy (the notes).
-gca_sink = False  # no zero key in GCA: its heads rested on it and read nothing
-center_memory = True  # chunk-centred memory: otherwise every chunk's keys share one direction and GCA cannot copy
-read_next = True  # a pick j is read as chunk j+1, the text that followed what the query resembles
-pool_tokens = True  # Eq. 1 on chunks' mean token embeddings (centred): landmark states share one direction
+# The four departures of the read path, one switch (model.py's DRTConfig): the runs in which GCA first copied on
+# code used them together; with the paper's read path, handed the right chunks, it did not copy (the notes).
+#   no zero sink key in GCA: its heads rested on it and read nothing
+#   chunk-centred memory: otherwise every chunk's keys share one direction and GCA cannot copy
+#   a pick j read as chunk j+1, the text that followed what the query resembles
+#   Eq. 1 on chunks' mean token embeddings (centred): landmark states share one direction
+code_read = True
 # The paper's scoring switched off, as in every run of the table. With the teacher, turning either back
 # on (one run each) stayed within the recipe's spread, so neither is shown to matter here.
 softmax_off_by_one = False  # Eq. 3 as a plain softmax

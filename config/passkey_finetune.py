@@ -44,7 +44,7 @@ max_iters = 8000
 # every book row) one run was no better (NOTES.md).
 teacher_iters = 3000
 teacher_slots = 1
-# Throughout, a cross-entropy on Eq. 1's scores (model.needle_rank_loss, weight 0.1) asks the landmark that serves
+# Throughout, a cross-entropy on Eq. 1's scores (tasks.needle_rank_loss, weight 0.1) asks the landmark that serves
 # the answer to rank the asked needle's chunk first among its row's earlier chunks and the batch's other rows'
 # chunks. The answer's loss stops shaping Eq. 1 once the needle weighs enough to copy it, which left the needle a
 # thin margin over the thousands of book chunks of a long test: one run of twelve without it lost the passkey with

@@ -22,7 +22,6 @@ the functions under "The model's API" say how, for either version, and are all t
 """
 
 import argparse
-import dataclasses
 import inspect
 import os
 import random
@@ -47,46 +46,55 @@ from model import DRT, DRTConfig  # noqa: E402
 # and after it
 
 OLD = "return_logits" in inspect.signature(DRT.forward).parameters
-FIELDS = {f.name for f in dataclasses.fields(DRTConfig)}
-PAPER_SWITCHES = dict(gca_sink=True, center_memory=False, read_next=False, pool_tokens=False)
-CODE_SWITCHES = dict(gca_sink=False, center_memory=True, read_next=True, pool_tokens=True)
+SWITCHES = [dict(gca_sink=True, center_memory=False, read_next=False, pool_tokens=False),  # the paper's read path,
+            dict(gca_sink=False, center_memory=True, read_next=True, pool_tokens=True)]  # config/code_teacher.py's
 
 
 def config(code=False, **kw):
     """A DRTConfig of the paper's read path, or (code) of config/code_teacher.py's."""
-    return DRTConfig(**kw, **(CODE_SWITCHES if code else PAPER_SWITCHES))
+    return DRTConfig(**kw, **(SWITCHES[code] if OLD else dict(code_read=code)))
 
 
 def code_args(code):
     """train.py's arguments for that read path."""
-    return [f"--{k}={v}" for k, v in (CODE_SWITCHES if code else PAPER_SWITCHES).items()]
+    return [f"--{k}={v}" for k, v in (SWITCHES[code] if OLD else dict(code_read=code)).items()]
 
 
 def row_logits(model, idx, picks=None, **kw):
     """Logits (B, T, vocab) at every position of a whole row."""
-    return model(idx, torch.zeros_like(idx), picks=picks, **kw)[0]
+    return model(idx, torch.zeros_like(idx), picks=picks, **kw)[0] if OLD else model(idx, picks=picks, **kw)[0]
 
 
 def row_loss(model, idx, targets, picks=None):
     """The training loss of a whole row, as train.py computes it (never the full logits)."""
-    return model(idx, targets, return_logits=False, picks=picks)[1]
+    return model(idx, targets, return_logits=False, picks=picks)[1] if OLD else model(idx, targets, picks=picks)[1]
 
 
 def stream_logits(model, idx, state, **kw):
-    """A stream's next segment -> its logits at every position."""
+    """A stream's next segment -> its logits at every position (scored: targets)."""
     return model(idx, torch.zeros_like(idx), state=state, **kw)[0]
 
 
 def recorded(model, call):
-    """call(kw), kw the forward's keyword arguments that make it record -> (what call returned, the record)."""
-    record = []
-    return call({"record": record}), record
+    """call(kw), kw the forward's keyword arguments that make it record (none: DRT.recording()) -> (what call
+    returned, the record)."""
+    if OLD:
+        record = []
+        return call({"record": record}), record
+    with model.recording() as record:
+        return call({}), record
 
 
-def task_losses(model, x, y, picks, labels, span):
-    """train.py's task step: the answer's loss (answer rows: span positions) and the needle ranking loss."""
-    _, loss, ranking = model(x, y, return_logits=False, picks=picks, needles=labels, loss_span=span)
-    return loss, ranking
+def task_losses(model, x, y, picks, labels):
+    """train.py's task step: the answer's loss (before: loss_span from each row's first target; now the targets of
+    the row's end, train.Data's span) and the needle ranking loss."""
+    if OLD:
+        _, loss, ranking = model(x, y, return_logits=False, picks=picks, needles=labels, loss_span=tasks.MAX_ANSWER)
+        return loss, ranking
+    span = tasks.MAX_ANSWER + model.config.chunk_size - 2
+    with model.recording() as record:
+        _, loss = model(x, y[:, -span:], picks=picks)
+    return loss, tasks.needle_loss(record, labels)
 
 
 def teacher_picks(idx, cfg, slots=0):
@@ -129,8 +137,9 @@ def grads(model, loss, name, out):
 
 
 def record_values(record, K, name, out):
-    """The record's picks (chunk ids, idx, w) and retrieval_stats."""
-    for i, (kind, *r) in enumerate(record):
+    """The record's picks (chunk ids, idx, w) and retrieval_stats; numbered without the Eq. 1 queries ("eq1") that
+    DRT.recording() adds for training, which the record before it did not hold."""
+    for i, (kind, *r) in enumerate(r for r in record if r[0] != "eq1"):
         if kind == "picks":
             for part, t in zip(("chunks", "idx", "w"), r):
                 out[f"{name}.record{i}.{part}"] = t
@@ -183,7 +192,7 @@ def part_c(out):
     out.update({"c.x": x, "c.y": y, "c.hop1": hop1, "c.labels": labels, "c.picks": picks})
     model = build(cfg).train()
     torch.manual_seed(3)
-    loss, ranking = task_losses(model, x, y, picks, labels, tasks.MAX_ANSWER)
+    loss, ranking = task_losses(model, x, y, picks, labels)
     out["c.loss"], out["c.ranking"] = loss.detach(), ranking.detach()
     grads(model, loss, "c.loss", out)
     grads(model, ranking, "c.ranking", out)
