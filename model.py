@@ -16,16 +16,13 @@ retrieval -> GCA -> blocks -> the model, one pipeline (DRT.run) for training and
 
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
-    _, loss = model(idx, targets)            # a training row: (B, T) text ids -> the loss (never the full logits)
-    logits, _ = model(idx)                   # its logits (B, T, vocab_size)
+    _, loss = model(idx, targets)            # a training row (B, T) -> its loss; model(idx): logits (B, T, vocab)
     state = model.new_state()                # inference at any length (sample.generate):
     logits, _ = model(prompt, state=state)   #   prefill (B, 1, vocab_size) ...
     logits, _ = model(next_ids, state=state) #   ... and continue the same stream
-    with model.recording() as record:        # what retrieval and GCA did, for the statistics (common.py)
-        model(idx)
+    with model.recording() as record: ...    # what retrieval and GCA did (common.retrieval_stats)
 """
 
-import functools
 import itertools
 import math
 import os
@@ -36,10 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch < 2.5: tiled SDPA everywhere
-    flex_attention = None
+import fused  # the window through FlexAttention and the loss without logits: the same functions, fused
 
 try:  # FlashGCA, the fused Triton kernels of GCA; without Triton the PyTorch reference serves
     import gca_kernel
@@ -78,12 +72,10 @@ class DRTConfig:
     softmax_off_by_one: bool = True  # Eq. 3 as exp(r_i) / (1 + sum_j exp(r_j)): a group may ignore useless picks; False = plain softmax (the release)
     gumbel: bool = True          # training only: top-k of Gumbel-perturbed scores, to explore; weights use the clean scores
     retriever: str = "learned"   # "learned": top-k of Eq. 1; "random": uniform earlier chunks, weighted by Eq. 3; "none": weights 0
-    # departures from the paper: config/code_teacher.py's read path, with which GCA learned to copy on code. One switch
-    # for four changes, because every run used all four or none (two of them were never removed one at a time):
-    #   no sink: the landmark slot's key/value are the landmark's own, not the zero sink of the paper's release
-    #   centred memory: GCA's keys/values from the encoder's states minus their chunk's mean, what tells tokens apart
-    #   read next: GCA reads the chunk after each pick j (j+1 <= t), the text that followed a chunk like the query
-    #   pooled Eq. 1: between chunks' mean token embeddings (the query's centred over the chunks so far), not landmarks
+    # departures from the paper, config/code_teacher.py's read path, with which GCA learned to copy on code: four changes
+    # under one switch, as every run had all or none. GCA's memory has no zero sink and is centred on each chunk's mean
+    # (what tells tokens apart), a pick j is read as chunk j+1 (the text that followed a chunk like the query), and
+    # Eq. 1 compares chunks' mean token embeddings (the query's centred over the chunks so far), not landmark states
     code_read: bool = False      # True: all four (config/code_teacher.py); False: the paper's read path
 
     def __post_init__(self):
@@ -96,16 +88,13 @@ class DRTConfig:
              f"n_embd={self.n_embd} must be a positive multiple of n_head={self.n_head} >= 1"),
             (S >= 2, f"chunk_size={S}: a chunk needs at least one text token and the landmark"),
             (S < 2 or (W >= S and W % S == 0), f"window={W} must be a positive multiple of chunk_size={S}"),
-            (0 <= self.landmark_id < self.vocab_size,
-             f"landmark_id={self.landmark_id} is outside the vocabulary [0, {self.vocab_size})"),
+            (0 <= self.landmark_id < self.vocab_size, f"landmark_id={self.landmark_id} is outside [0, {self.vocab_size})"),
             (all(g == int(g) >= 1 for g in groups), f"groups={tuple(groups)}: every group needs a whole number >= 1 of layers"),
             (self.topk >= 1, f"topk={self.topk} must be >= 1"),
-            (self.retriever in ("learned", "random", "none"),
-             f"retriever={self.retriever!r} must be 'learned', 'random' or 'none'"),
+            (self.retriever in ("learned", "random", "none"), f"retriever={self.retriever!r}: 'learned', 'random' or 'none'"),
             (min(self.n_lower, self.n_enc, self.mlp_hidden) >= 0, "n_lower, n_enc and mlp_hidden must be >= 0"),
         ]
-        bad = [message for ok, message in checks if not ok]
-        if bad:
+        if bad := [message for ok, message in checks if not ok]:
             raise ValueError("bad DRTConfig: " + "; ".join(bad))
 
     @property
@@ -114,9 +103,8 @@ class DRTConfig:
 
 
 def window_reach(cfg, exact=False):
-    """How far back the stacked windows carry a token to an output, in positions (retrieval alone reaches further);
-    cfg: any with their fields. Each of the L layers' windows sees W-1 back, so L x (W-1) (exact=True: what a needle
-    within it may be copied from); L x W, a round bound, sizes the margins, copy spans and test depths past it."""
+    """How far back the stacked windows carry a token, in positions (retrieval reaches further); cfg: any with their
+    fields. Each of L windows sees W-1 back: L x (W-1), exactly; L x W, a bound, sizes margins, spans and depths."""
     return (cfg.n_lower + sum(cfg.groups)) * (cfg.window - 1 if exact else cfg.window)
 
 
@@ -126,8 +114,8 @@ def read_shift(cfg):
 
 
 def skim_margin(cfg):
-    """Positions before an output beyond which no upper-layer state reaches it: the windows' reach and,
-    per group, the two chunks back to the landmark whose picks a chunk reads (DRT.skim)."""
+    """Positions before an output beyond which no upper-layer state reaches it (DRT.skim): the windows' reach and,
+    per group, the two chunks back to the landmark whose picks a chunk reads."""
     return window_reach(cfg) + 2 * cfg.chunk_size * len(cfg.groups)
 
 
@@ -138,9 +126,9 @@ def skim_margin(cfg):
 
 
 def alibi_slopes(n_head):
-    """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for n not a power of two, the
-    power-of-two slopes plus every other slope of the next one. Not 2^(-8(i+1)/n) for every n: at 6 heads
-    that keeps fewer steep, local heads and trained to 7-18% higher perplexity on code (NOTES.md)."""
+    """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for n not a power of two, those of the power
+    of two below plus every other one of the next (2^(-8(i+1)/n) for every n keeps fewer steep, local heads: at 6
+    heads, 7-18% higher perplexity on code, NOTES.md)."""
     def geometric(n):
         return [2 ** (-8 * (i + 1) / n) for i in range(n)]
     p = 2 ** int(math.log2(n_head))
@@ -158,11 +146,11 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
 
 
 def window_attention(q, k, v, pos0, window, slopes, ring=None):
-    """q, k, v (B, H, L, D) at positions pos0 .. pos0+L-1; ring: the layer's KVRing of the W positions
-    before (streaming) or None -> (B, H, L, D). FlexAttention on a GPU without a ring, else tiled SDPA."""
-    if ring is None and q.is_cuda and flex_attention is not None:
-        return flex_window_attention(q, k, v, window, slopes)
-    (B, H, L, D), W, dev = q.shape, window, q.device
+    """q, k, v (B, H, L, D) at positions pos0 .. pos0+L-1, ring: a stream's KVRing of the W positions before, or
+    None -> (B, H, L, D). FlexAttention on a GPU without a ring, else tiled SDPA."""
+    if ring is None and q.is_cuda and fused.flex_attention is not None:
+        return fused.flex_window_attention(q, k, v, window, slopes)
+    B, L, W, dev = q.size(0), q.size(2), window, q.device
     # tile 0: the first L0 queries see the ring (the previous W positions) and the segment's start
     L0 = min(L, W)
     q_pos = pos0 + torch.arange(L0, device=dev)
@@ -188,51 +176,6 @@ def window_attention(q, k, v, pos0, window, slopes, ring=None):
     return torch.cat([y, yt], 2)
 
 
-# The same window through FlexAttention (a whole sequence, no ring): a BlockMask built from the band's structure,
-# so only the tiles the window touches are computed, and ALiBi as a score_mod.
-
-FLEX_TILE = 128  # the BlockMask's tile (FlexAttention's BLOCK_SIZE)
-FLEX_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
-                "num_warps": 4, "num_stages": 3}  # CUDA kernel tiles for bf16/fp16, tuned at the training shape
-
-
-def window_block_mask(L, W, device, tile=FLEX_TILE):
-    """The causal window 0 <= i - j < W over L positions as a BlockMask, never an L x L mask: query
-    tile i meets key tiles i - t, t = 0 .. n; t = 1 .. f lie wholly inside the window ('full')."""
-    f = max(0, (W - tile) // tile)  # t * tile + tile - 1 < W: every pair inside the window
-    n = (W + tile - 2) // tile  # t * tile - tile + 1 <= W - 1: some pair inside
-    nq = cdiv(L, tile)
-    i = torch.arange(nq, device=device, dtype=torch.int32)[:, None]  # (nq, 1) query tiles
-
-    def key_tiles(t):  # key tiles i - t, the valid ones (>= 0) first: t ascends, so they are
-        j = i - torch.tensor(t, device=device, dtype=torch.int32)  # (nq, len(t))
-        j = F.pad(j, (0, nq - len(t)), value=-1) if len(t) < nq else j[:, :nq]  # BlockMask wants (nq, nq)
-        return (j >= 0).sum(1, dtype=torch.int32)[None, None], j.clamp(min=0)[None, None]
-
-    def visible(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < W)
-
-    partial = key_tiles([0] + list(range(f + 1, n + 1)))
-    full = key_tiles(list(range(1, f + 1))) if f else (None, None)
-    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=tile, mask_mod=visible, seq_lengths=(L, L))
-
-
-@functools.cache
-def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)  # uncompiled, FlexAttention is a dense reference
-
-
-def flex_window_attention(q, k, v, window, slopes, tile=FLEX_TILE):
-    """window_attention of a whole sequence, q, k, v (B, H, L, D): compiled on a GPU (under the
-    model's torch.compile, that compile covers it), the unfused reference on a CPU."""
-    def alibi(score, b, h, q_idx, kv_idx):  # q_idx, kv_idx: positions in the sequence, exact
-        return score - slopes[h] * (q_idx - kv_idx)
-    attend = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
-    options = FLEX_OPTIONS if q.is_cuda and q.element_size() == 2 else None
-    return attend(q, k, v, score_mod=alibi, block_mask=window_block_mask(q.size(2), window, q.device, tile),
-                  kernel_options=options)
-
-
 # -----------------------------------------------------------------------------
 # Chunks (§3.1). Position p lies in chunk p // S at slot p % S; slot S-1 holds the landmark. A segment
 # of a stream may begin inside a chunk: `offset` counts the slots earlier segments filled (0 in training).
@@ -253,8 +196,8 @@ def from_chunks(x, offset, L):
 
 
 def insert_landmarks(idx, cfg, n0=0):
-    """idx (B, T) text ids continuing a stream of n0 positions -> (ids (B, L), offset n0 % S): the
-    landmark id after every S-1 text tokens, eagerly (a chunk's last text token closes it at once)."""
+    """idx (B, T) text ids continuing a stream of n0 positions -> (ids (B, L), offset n0 % S): the landmark id after
+    every S-1 text tokens, eagerly (a chunk's last text token closes it at once)."""
     S, (B, T) = cfg.chunk_size, idx.shape
     offset = n0 % S
     n_chunks = cdiv(offset + T, S - 1)
@@ -266,8 +209,8 @@ def insert_landmarks(idx, cfg, n0=0):
 
 
 class ChunkEncoder(nn.Module):
-    """Bidirectional encoder of finished chunks (§3.1) -> per-token keys/values (one projection for all upper
-    layers) and the landmark vector l, Eq. 1's key."""
+    """Bidirectional encoder of finished chunks (§3.1) -> per-token keys/values (one projection for all upper layers)
+    and the landmark vector l, Eq. 1's key."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -299,16 +242,15 @@ class ChunkEncoder(nn.Module):
 @torch.no_grad()
 def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
     """Eq. 1: for the query q (B, n, C) of each chunk t in chunk_ids (n,), the k best-scoring chunks j < t, a running
-    top-k over pages of landmarks l_j ((B, m, C) each), never n x M scores, exact ties to the earlier chunk (rank_key)
-    -> (idx, eligible) (B, n, k). noise: + Gumbel(0, 1); uniform: random scores."""
+    top-k over pages of landmarks l_j ((B, m, C) each), never n x M scores -> (idx, eligible) (B, n, k).
+    noise: + Gumbel(0, 1); uniform: random scores."""
     B, n, C = q.shape
     q = upcast(q)
     best_s = q.new_full((B, n, k), float("-inf"))
     best_i = torch.zeros(B, n, k, dtype=torch.long, device=q.device)
     m0 = 0
     for lm in pages:  # (B, m, C)
-        # fp32 under any autocast: in bf16, rounding would decide near-ties, and a stream decoded
-        # token by token would pick other chunks than one forward
+        # fp32 under any autocast: in bf16, rounding decides near-ties, and a stream would pick other chunks than a row
         with torch.autocast(q.device.type, enabled=False):
             s = q @ upcast(lm).transpose(1, 2) / math.sqrt(C)  # (B, n, m)
         if uniform:
@@ -326,18 +268,17 @@ def topk_earlier(q, pages, chunk_ids, k, noise=False, uniform=False):
 
 
 def rank_key(s, j):
-    """int64 keys that order chunks by score s, then, at an exact tie, the earlier chunk j first. Chunks repeated word
-    for word tie exactly; topk alone would break the tie by where a chunk sits in the page, which differs between
-    one forward and a stream. The key: s's float32 bits as an int that orders like s (negative floats' magnitude
-    bits flipped; + 0.0 makes -0.0 a +0.0), above the chunk index, inverted."""
+    """int64 keys that order chunks by score s, then, at an exact tie (chunks repeated word for word), the earlier
+    chunk j first, not by where topk finds it in a page, which differs between one forward and a stream: s's float32
+    bits as an int that orders like s (negatives' magnitude bits flipped; + 0.0 makes -0.0 +0.0), above ~j."""
     b = (s.float() + 0.0).view(torch.int32).long()
     b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
     return (b << 32) | (0xFFFFFFFF - j)
 
 
 def softmax_off_by_one(r, off_by_one=True):
-    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries get 0. The 1 is a virtual chunk
-    of score 0 and empty output: a group may ignore poor picks. False: plain softmax."""
+    """Eq. 3: w_i = exp(r_i) / (1 + sum_j exp(r_j)) over the last dim, -inf entries 0; the 1, a virtual chunk of score
+    0 and empty output, lets a group ignore poor picks. False: plain softmax."""
     m = r.amax(-1, keepdim=True)
     m = m.clamp(min=0) if off_by_one else torch.where(torch.isfinite(m), m, 0)
     e = torch.exp(r - m.detach())  # stable: subtract max(m, 0)
@@ -346,37 +287,30 @@ def softmax_off_by_one(r, off_by_one=True):
 
 
 def retrieval_weights(q, picked, eligible, cfg):
-    """Eq. 3 of the picks' CLEAN Eq. 1 scores (no Gumbel noise), the retriever's gradient path: q
-    (B, n, C), picked landmarks (B, n, K, C), eligible (B, n, K) -> w (B, n, K); 0 if retriever="none"."""
+    """Eq. 3 of the picks' clean Eq. 1 scores (no Gumbel noise), the retriever's gradient path: q (B, n, C), picked
+    landmarks (B, n, K, C), eligible (B, n, K) -> w (B, n, K); 0 if retriever="none"."""
     r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return w * (cfg.retriever != "none")
 
 
-def pooled_eq1(e, ln_f, state):
-    """code_read's Eq. 1 (a departure): e (B, n, S, C) the embeddings of n finished chunks -> their keys, ln_f of their
-    mean text embeddings (B, n, C), and their queries (centred_chunk_means); a stream keeps its running sum in state."""
-    l = ln_f(e[:, :, :-1].mean(2))
-    pooled, total = centred_chunk_means(e, *((state.pool_total, state.pool_count) if state else (None, 0)))
+def pooled_eq1(e, ln_f, state=None):
+    """code_read's Eq. 1 (a departure): e (B, n, S, C), the embeddings of the next n finished chunks -> their keys
+    l = ln_f(mean text embedding) and their queries, each mean minus the mean over the chunks so far, itself included
+    (else their shared part ranks the same chunks for all), (B, n, C) each; a stream's running sum waits in state."""
+    m = e[:, :, :-1].mean(2)  # (B, n, C)
+    total, count = (state.pool_total, state.pool_count) if state else (None, 0)
+    run = upcast(m).cumsum(1) + (0 if total is None else total[:, None])  # (B, n, C) sums over chunks 0..t
     if state:
-        state.pool_total, state.pool_count = total.detach(), state.pool_count + e.size(1)
-    return l, pooled
-
-
-def centred_chunk_means(x, total, count):
-    """code_read's query. x (B, n, S, C): embeddings of the next n finished chunks; total (B, C): the sum of
-    the chunk means before them (count of them), or None -> (B, n, C) each chunk's mean text embedding minus
-    the mean over the chunks so far, itself included (else its shared part ranks the same chunks for all)."""
-    m = upcast(x[:, :, :-1].mean(2))  # (B, n, C)
-    run = m.cumsum(1) + (0 if total is None else total[:, None])  # (B, n, C) sums over chunks 0..t
-    cnt = count + torch.arange(1, m.size(1) + 1, device=m.device, dtype=m.dtype)  # (n,)
-    return m - run / cnt[:, None], run[:, -1]
+        state.pool_total, state.pool_count = run[:, -1].detach(), count + m.size(1)
+    cnt = count + torch.arange(1, m.size(1) + 1, device=m.device, dtype=run.dtype)  # (n,)
+    return ln_f(m), upcast(m) - run / cnt[:, None]
 
 
 def read_one_chunk_later(carried, made, n_chunks):
     """Causal retrieval (§3.1): chunk c's picks are read by chunk c+1 (chunk c lies in the window). made: (idx, w)
-    (B, n, K) at a segment's n landmarks, or None; carried: (B, 1, K) of the landmark before the segment, None at
-    the start (weight 0) -> (idx, w) (B, n_chunks, K) of its chunks."""
+    (B, n, K) at a segment's n landmarks, or None; carried: (B, 1, K) of the landmark before it, None at the start
+    (weight 0) -> (idx, w) (B, n_chunks, K)."""
     if made is None:  # no landmark here: the segment lies inside one chunk
         return carried
     if carried is None:
@@ -385,7 +319,7 @@ def read_one_chunk_later(carried, made, n_chunks):
 
 
 class RowMemory:
-    """A training row's chunk memory, in the autograd graph: a stream's ChunkStore, with its three reads."""
+    """A whole row's chunk memory, in the autograd graph, with a ChunkStore's three reads."""
 
     def __init__(self, kv, l):
         self.kv, self.l, self.pages = kv, l, [l]  # (B, n, S, 2, H, D), (B, n, C); pages: for topk_earlier
@@ -407,9 +341,8 @@ GCA_IMPL = os.environ.get("DRT_GCA", "auto")  # "auto": Triton FlashGCA on CUDA,
 
 
 def gca_attention(q, k_mem, idx):
-    """Eq. 2's softmax of each pick in turn, one at a time (memory O(output), not O(K * output)): q (B, N, S, H, D),
-    k_mem (B, M, S, H, D), idx (B, N, K) -> yields (i, the rows of pick i, softmax(q K_i^T / sqrt(D)) (B, N, H, S, S)),
-    in fp32 (fp64 stays fp64). gca_reference's, and the statistics' (common.sink_share)."""
+    """Eq. 2's softmax per pick, one at a time (memory O(output), not O(K * output)), for gca_reference and the
+    statistics (common.sink_share): yields (i, pick i's memory rows, softmax(q K_i^T / sqrt(D)) (B, N, H, S, S))."""
     b, q = torch.arange(q.size(0), device=q.device)[:, None], upcast(q)  # b (B, 1): batch index to gather by idx
     for i in range(idx.size(-1)):
         rows = (b, idx[..., i])
@@ -525,53 +458,6 @@ class UpperBlock(Block):
         return h1 + self.mlp(self.ln_2(h1 + self.o_proj(o)))
 
 
-CE_ROWS = 4096  # rows of logits LinearCrossEntropy holds at a time
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of softmax(x @ weight^T) against targets (-1: ignored), CE_ROWS rows at a time,
-    never the (N, V) logits: x (N, C), weight (V, C), targets (N,) -> a scalar. The forward makes the
-    gradients a backward will use (none under no_grad); the backward scales them."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, grad_enabled):  # grad_enabled: torch.is_grad_enabled() outside (inside: off)
-        want_dx, want_dw = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        acc = torch.promote_types(weight.dtype, torch.float32)  # sums in fp32 (fp64 in the tests)
-        n = (targets != -1).sum().clamp(min=1)  # a tensor: no host sync
-        loss = x.new_zeros((), dtype=acc)
-        dx = torch.empty_like(x) if want_dx else None
-        dw = torch.zeros_like(weight, dtype=acc) if want_dw else None
-        for s in range(0, x.size(0), CE_ROWS):
-            xs, ts = x[s : s + CE_ROWS], targets[s : s + CE_ROWS]
-            logits = xs @ weight.t()  # (rows, V), bf16 under autocast
-            z = logits.to(acc)
-            valid, hit = (ts != -1).to(acc)[:, None], ts.clamp(min=0)[:, None]  # (rows, 1) each
-            lse = z.logsumexp(-1, keepdim=True)  # (rows, 1)
-            loss += ((lse - z.gather(1, hit)) * valid).sum()
-            if not (want_dx or want_dw):
-                continue
-            if torch.compiler.is_compiling():  # the one-hot as a comparison: one fused pass, cast included
-                onehot = torch.arange(z.size(1), device=z.device) == hit  # (rows, V)
-                g = ((z - lse).exp() - onehot.to(acc)) * valid
-            else:  # eager: in place, one (rows, V) buffer
-                g = (z - lse).exp_().scatter_add_(1, hit, -valid).mul_(valid)
-            g = g.to(logits.dtype)  # d loss_sum / d logits: softmax - onehot
-            if want_dx:
-                dx[s : s + CE_ROWS] = g @ weight
-            if want_dw:
-                dw += g.t() @ xs
-        ctx.save_for_backward(dx, dw, n)
-        ctx.weight_dtype = weight.dtype
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, grad):
-        dx, dw, n = ctx.saved_tensors
-        scale = grad / n
-        return (None if dx is None else dx * scale.to(dx.dtype),
-                None if dw is None else (dw * scale).to(ctx.weight_dtype), None, None)
-
-
 # -----------------------------------------------------------------------------
 # The model
 
@@ -619,10 +505,9 @@ class DRT(nn.Module):
                 raise ValueError(f"targets must be token ids in [0, {cfg.vocab_size}) or -1 (ignored)")
 
     def forward(self, idx, targets=None, state=None, picks=None):
-        """idx (B, T) text ids -> (logits, loss). targets (B, T'): the next ids at idx's last T' positions (T' = T: all),
-        -1 where not scored. state: a StreamState to continue, else one whole row. picks (n, K) or (B, n, K): chunks
-        the row's n landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a teacher or an oracle; (B, G, n, K): each
-        group its own. What comes back (logits_and_loss says why):
+        """idx (B, T) text ids -> (logits, loss). targets (B, T'): the next ids at idx's last T' positions, -1: not
+        scored. state: a StreamState to continue, else a whole row. picks (n, K) or (B, n, K): chunks the row's n
+        landmarks pick instead of Eq. 1's (-1: Eq. 1's), from a teacher or an oracle; (B, G, n, K): per group.
             a whole row          logits (B, T, vocab), loss None     with targets: logits None, the mean cross-entropy
             a stream's segment   logits (B, 1, vocab), loss None     with targets: logits (B, T', vocab), the loss"""
         self.check_input(idx, targets)
@@ -633,10 +518,9 @@ class DRT(nn.Module):
 
     @contextmanager
     def recording(self):
-        """Collect what retrieval and GCA do while the block runs, into the list it yields; the model never reads it.
-        Per group and call: ("eq1", q, l), Eq. 1's queries (B, n, C) and the row's landmarks (B, n, C) in the autograd
-        graph (whole rows alone: train.py's needle ranking loss) and ("picks", chunk ids (n,), idx, w (B, n, K)); per
-        upper layer ("gca", q, k_mem, v_mem, idx, w) (common.retrieval_stats reduces those)."""
+        """Collect what retrieval and GCA do in the block into the list it yields (the model never reads it): per group
+        ("eq1", q, l), Eq. 1's queries and a whole row's landmarks (B, n, C), in the graph (tasks.needle_loss), and
+        ("picks", chunk ids (n,), idx, w (B, n, K)); per upper layer ("gca", q, k_mem, v_mem, idx, w)."""
         record, parts = [], [self, *self.upper]
         for part in parts:
             part.record = record
@@ -734,19 +618,17 @@ class DRT(nn.Module):
         return idx, w
 
     def logits_and_loss(self, x, offset, T, targets, stream):
-        """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions. Logits are made
-        only where a caller reads them, as no argument need say: a whole row with targets is a training or validation
-        row, whose (B, T, vocab) logits (3.3 GB for a 16K-token row in bf16) nobody reads, so its loss comes from
-        LinearCrossEntropy without them, over the targets' positions alone (task rows: their answer); a stream's
-        segment without targets is a prefill (up to 64K positions) or a decoded token, whose next token is all
-        sampling reads; a stream's segment with targets is scored position by position (evaluate.py --ppl)."""
+        """The last layer's states x (B, L, C) -> forward's (logits, loss) at the T text positions. Logits are made where
+        they are read, which the call tells: a whole row with targets trains or validates, its loss from the targets'
+        positions alone without the (B, T, vocab) logits (3.3 GB a 16K-token row in bf16); a stream's segment is a
+        prefill (64K positions) or a decoded token, whose next token is all sampling reads, unless it is scored."""
         S = self.config.chunk_size
         x = from_chunks(to_chunks(self.ln_f(x), offset, S)[:, :, : S - 1], offset, T)  # (B, T, C): landmarks predict nothing
         if targets is None:
             return self.lm_head(x[:, -1:] if stream else x), None
         x = x[:, T - targets.size(1) :]  # (B, T', C)
         if not stream:
-            return None, LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+            return None, fused.LinearCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
         logits = self.lm_head(x)
         return logits, F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import fused
 import model as drt
 import prepare_pg19
 from conftest import all_logits, retrievals, tiny_checkpoint, tiny_model, tokenizer_or_skip, tokens
@@ -115,7 +116,7 @@ def test_copying_holds_no_logits(tmp_path, monkeypatch, capsys):
                                              if isinstance(t, torch.Tensor)])
             return out
 
-    monkeypatch.setattr(drt, "CE_ROWS", 64)
+    monkeypatch.setattr(fused, "CE_ROWS", 64)
     monkeypatch.setattr(common, "PROGRESS_AFTER", -1)
     ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")  # far spans of 264 tokens, read twice
     with Largest() as largest:

@@ -1,9 +1,9 @@
 """
 Tests of the model and its kernel (Hu et al., ICML 2025, arXiv 2410.01651), in the order the paper
-builds DRT: the landmarks and chunks -> positions (ALiBi) and sliding-window attention -> the chunk
-encoder -> retrieval (Eq. 1 scores, Gumbel top-k, Eq. 3 weights) -> GCA's reference (Eq. 2) -> the
-FlashGCA kernel (gca_kernel.py) against it -> the model end to end -> the streaming state (decoding,
-prefill, offload). The other test_*.py files hold training, sampling and tasks, evaluation, data
+builds DRT: the landmarks and chunks -> positions (ALiBi) and sliding-window attention (fused.py's
+FlexAttention too) -> the chunk encoder -> retrieval (Eq. 1 scores, Gumbel top-k, Eq. 3 weights) -> GCA's
+reference (Eq. 2) -> the FlashGCA kernel (gca_kernel.py) against it -> the model end to end (the loss without
+logits, fused.py's) -> the streaming state (decoding, prefill, offload). The other test_*.py files hold training, sampling and tasks, evaluation, data
 preparation and the benchmarks; conftest.py their shared helpers.
 
     python -m pytest -q -rs                        # every test file; -rs: why tests skip (CUDA, tokenizer)
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import fused
 import gca_kernel
 import model as drt
 from conftest import DEVICE, all_logits, cuda, rel_err, retrievals, spy_retrieval, tiny_config, tiny_model, tokens
@@ -149,7 +150,7 @@ def test_flex_window_attention(L, W, block):
     """The FlexAttention path of window attention: its block mask is exactly the window's
     (full blocks skip the mask on a GPU, so a wrongly 'full' block would leak), and its output
     equals the blocked-SDPA path and a dense reference (FlexAttention runs unfused on a CPU)."""
-    from model import flex_window_attention, window_block_mask
+    from fused import flex_window_attention, window_block_mask
     bm = window_block_mask(L, W, "cpu", block)
     nq = -(-L // block)
     got = torch.zeros(nq, nq, dtype=torch.long)
@@ -391,14 +392,16 @@ def test_code_read_pools_eq1_and_reads_next():
     """code_read: Eq. 1's query is chunk t's mean text embedding minus the mean of those over chunks 0..t
     (in pieces as at once), its key chunk j's mean embedding; GCA of chunk t+1 reads chunk j+1
     for each pick j of landmark t (read_shift), weighted by j's score."""
+    from types import SimpleNamespace
     x = torch.randn(2, 5, 8, 32, dtype=torch.float64)  # (B, n, S, C)
-    q, total = drt.centred_chunk_means(x, None, 0)
+    l, q = drt.pooled_eq1(x, torch.nn.Identity())
     m = x[:, :, :-1].mean(2)
     want = torch.stack([m[:, t] - m[:, : t + 1].mean(1) for t in range(5)], 1)
-    assert rel_err(q, want) < 1e-12 and rel_err(total, m.sum(1)) < 1e-12
-    q1, t1 = drt.centred_chunk_means(x[:, :2], None, 0)
-    q2, t2 = drt.centred_chunk_means(x[:, 2:], t1, 2)
-    assert rel_err(torch.cat([q1, q2], 1), q) < 1e-12 and rel_err(t2, total) < 1e-12
+    assert rel_err(q, want) < 1e-12 and rel_err(l, m) < 1e-12
+    state = SimpleNamespace(pool_total=None, pool_count=0)  # a stream's, in two pieces
+    q1, q2 = (drt.pooled_eq1(part, torch.nn.Identity(), state)[1] for part in (x[:, :2], x[:, 2:]))
+    assert rel_err(torch.cat([q1, q2], 1), q) < 1e-12 and rel_err(state.pool_total, m.sum(1)) < 1e-12
+    assert state.pool_count == 5
 
     model = tiny_model(code_read=True).eval()
     assert drt.read_shift(model.config) == 1
@@ -414,8 +417,9 @@ def test_code_read_pools_eq1_and_reads_next():
     t, picks, w = retrievals(record)[0]  # (n,), (B, n, K), (B, n, K)
     with torch.no_grad():
         e = model.wte(drt.insert_landmarks(idx, model.config)[0]).view(2, 9, 8, 32)  # (B, n, S, C)
-        l = model.encoder.ln_f(e[:, :, :-1].mean(2))  # (B, n, C)
-        r = model.ret_norm[0](drt.centred_chunk_means(e, None, 0)[0]) @ l.transpose(1, 2)
+        m = e[:, :, :-1].mean(2)  # (B, n, C)
+        centred = m - m.cumsum(1) / torch.arange(1, 10, dtype=m.dtype)[:, None]
+        r = model.ret_norm[0](centred) @ model.encoder.ln_f(m).transpose(1, 2)
     r = r.masked_fill(t[None, None, :] >= t[None, :, None], float("-inf"))  # (B, n, n)
     assert torch.equal(picks[:, 3:, 0], r.argmax(-1)[:, 3:])  # Eq. 1 of the pooled query and keys
     assert torch.equal(read[0][:, 3:9], (picks[:, 2:8] + 1).minimum(t[2:8, None]))  # chunk c+1 reads j+1
@@ -786,7 +790,7 @@ def test_configs_train(groups):
 def test_loss_without_logits(ce_rows, monkeypatch):
     """A whole row with targets (training, validation) gives the cross-entropy of its full logits, and its gradients,
     without making them, whether the rows fit one chunk of LinearCrossEntropy or take several."""
-    monkeypatch.setattr(drt, "CE_ROWS", ce_rows)  # 16: 70 rows in 5 chunks, the last one partial
+    monkeypatch.setattr(fused, "CE_ROWS", ce_rows)  # 16: 70 rows in 5 chunks, the last one partial
     model = tiny_model(dtype=torch.float64).train()
     model.config.gumbel = False
     idx = tokens(model.config, 2, 5 * 7, seed=16)
@@ -846,10 +850,10 @@ def test_loss_without_grad_makes_no_gradients(monkeypatch):
 
     def matmuls(x, w, grad=True):
         with torch.set_grad_enabled(grad), CountMatmuls() as count:
-            loss = drt.LinearCrossEntropy.apply(x, w, targets, torch.is_grad_enabled())
+            loss = fused.LinearCrossEntropy.apply(x, w, targets, torch.is_grad_enabled())
         return count.n, loss
 
-    monkeypatch.setattr(drt, "CE_ROWS", 16)  # 40 rows: 3 chunks
+    monkeypatch.setattr(fused, "CE_ROWS", 16)  # 40 rows: 3 chunks
     x, w = torch.randn(40, 8, dtype=torch.float64), torch.randn(96, 8, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 96, (40,))
     (n_eval, eval_loss), (n_dw, _), (n_both, loss) = matmuls(x, w, False), matmuls(x, w), matmuls(x.requires_grad_(), w)
