@@ -2,9 +2,9 @@
 Small helpers that train.py, sample.py, evaluate.py, bench.py and the prepare scripts share: time and length
 formatting, the --lengths parser, GPT-2's tokenizer, a prepared dataset's meta.json and .bin files (read and
 checked), a DRT's FLOPs per token and a GPU's peak FLOP/s (for MFU), peak memory, the check that an output
-folder is writable, the checkpoint loader (which upgrades older checkpoints), train.py's out_dir lock and Ctrl-C
-handling, retrieval's statistics from DRT.recording(), and what sample.py and evaluate.py share (their arguments,
-errors and autocast, the checkpoint as a model, a stream's prefill). Not run on its own.
+folder is writable, the checkpoint loader (which upgrades older checkpoints), train.py's out_dir lock, processes
+(DDP) and Ctrl-C handling, retrieval's statistics from DRT.recording(), and what sample.py and evaluate.py share
+(their arguments, errors and autocast, the checkpoint as a model, a stream's prefill). Not run on its own.
 
     from common import check_bin, fmt_time, load_checkpoint, parse_lengths, peak_flops, peak_mem_gib, read_meta
 
@@ -12,6 +12,7 @@ torch is imported inside the functions that use it, so prepare_pg19.py and its w
 processes, which need only fmt_time, do not load it.
 """
 
+import gc
 import json
 import os
 import pickle
@@ -65,6 +66,9 @@ def get_tokenizer(ranks_file=None):
     except Exception as e:  # requests/urllib errors, whichever tiktoken used
         raise RuntimeError(f"could not load tiktoken's 'gpt2' encoding ({type(e).__name__}: {e}). "
                            f"Offline? {RANKS_HELP}") from e
+
+
+PROGRESS_AFTER = 10  # seconds long work runs before it says how far it got (Progress, progress): short work is quiet
 
 
 def fmt_time(s):
@@ -391,6 +395,25 @@ def upgrade(ckpt, path, fix):
             args["code_read"] = switches == MERGED[1]
 
 
+def save_checkpoint(out_dir, model, optimizer, state, extra):
+    """train.py's checkpoint in out_dir: ckpt.pt (weights, optimizer, state) and ckpt.json (state and extra without
+    tensors, for people and tools without torch), each written whole (to .tmp, then renamed) -> ckpt.pt's path."""
+    import torch
+    ckpt_path, json_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "ckpt.json")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, ckpt_path + ".tmp")
+    os.replace(ckpt_path + ".tmp", ckpt_path)
+    with open(json_path + ".tmp", "w") as f:
+        json.dump({**state, **extra}, f, indent=1)
+    os.replace(json_path + ".tmp", json_path)
+    return ckpt_path
+
+
+def step_rng(*parts):
+    """A random.Random that is a fixed function of parts (str seeds go through SHA-512: the same everywhere)."""
+    import random
+    return random.Random(":".join(map(str, parts)))
+
+
 def saved_at(out_dir, since=0.0):
     """'out/ckpt.pt at step N' of a train.py run, read from ckpt.json (written after ckpt.pt), or None; None too
     if it was written before time since (a checkpoint the run replaces is not the run's)."""
@@ -401,6 +424,22 @@ def saved_at(out_dir, since=0.0):
             return f"{os.path.join(out_dir, 'ckpt.pt')} at step {json.load(f)['iter_num']}"
     except (OSError, ValueError, KeyError):
         return None
+
+
+def log(msg):
+    """train.py's lines: rank 0 alone prints (torchrun sets RANK), flushed, so that logs under nohup or tee keep up."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(msg, flush=True)
+
+
+SAID = {"at": 0.0}  # when progress last said something
+
+
+def progress(t0, text):
+    """log text when the work begun at t0 has run PROGRESS_AFTER s without a word: a long step shows it is alive."""
+    if (now := time.time()) - max(t0, SAID["at"]) > PROGRESS_AFTER:
+        log(f"{text} after {fmt_time(now - t0)}")
+        SAID["at"] = now
 
 
 # Ctrl-C and SIGTERM in train.py: the handler takes note, and the loop stops at the next step boundary, where
@@ -430,6 +469,62 @@ def stopped(said, signum):
     if said:
         print(f"train.py: {said}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
+
+
+@contextmanager
+def stopping(out_dir, since, again, rank, ddp):
+    """train.py's run inside: Ctrl-C and SIGTERM only take note (on_signal; the loop stops at a step boundary); a
+    second Ctrl-C stops at once, naming the last checkpoint this run wrote (after time since) and the command again
+    that continues; under DDP a rank whose collective failed waits 3 s for torchrun's SIGTERM and says so in one line.
+    On the way out the signal handlers are restored and DDP is torn down."""
+    STOP.update(signum=0, at=0.0)
+    handlers = catch_signals()
+    try:
+        yield
+    except KeyboardInterrupt:  # a second Ctrl-C
+        last = saved_at(out_dir, since)
+        stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
+                                                    if last else "no checkpoint saved"), signal.SIGINT)
+    except Exception as e:  # under DDP, a collective fails when a rank dies, and torchrun's SIGTERM follows
+        for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):  # 3 s
+            if signum := STOP["signum"]:
+                last = saved_at(out_dir, since)
+                stopped(f"rank {rank}: stopped by {signal.Signals(signum).name} (another rank failed?); " +
+                        (f"the last checkpoint is {last}: resume with --init_from=resume" if last else
+                         "no checkpoint saved"), signum)
+            time.sleep(0.1)
+        raise
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if ddp:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+            # gloo's worker may still hold the last collectives' tensors: freed as Python exits they take the GIL, and
+            # the rank dies of SIGABRT (5 runs of 52 on a loaded CPU; 0 of 120 collected here, while Python lives)
+            gc.collect()
+
+
+def init_ddp(device, timeout):
+    """train.py's processes: DDP where torchrun set RANK, LOCAL_RANK and WORLD_SIZE (plain python: one process), each
+    rank on its device ('auto': cuda if there is one) -> (ddp, rank, world_size, torch.device); a ConfigError where
+    CUDA is asked for and missing. timeout (s): how long a rank waits in a collective for a dead or hung one."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    ddp = "RANK" in os.environ
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    dev = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if (cuda := dev.startswith("cuda")) and not torch.cuda.is_available():
+        raise ConfigError(f"device={dev!r} but CUDA is not available: use --device=cpu (or auto)")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if ddp and cuda else dev)
+    if ddp and cuda:
+        torch.cuda.set_device(device)
+    if ddp:  # a timeout, so that a rank waiting for a dead or hung one fails in minutes, not in half an hour
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                                timeout=datetime.timedelta(seconds=timeout))
+    return ddp, rank, world_size, device
 
 
 # Retrieval's health, from what DRT.recording() collected: train.py logs it at each evaluation,
@@ -491,9 +586,6 @@ def sink_label(cfg):
 
 # -----------------------------------------------------------------------------
 # What sample.py and evaluate.py share: their errors, arguments and autocast, the checkpoint as a model, streams
-
-PROGRESS_AFTER = 10  # seconds between progress lines: short work stays quiet
-
 
 def error(script, msg):
     """A wrong argument or an unusable file: one line, no traceback (each script binds its name)."""

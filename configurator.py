@@ -2,7 +2,8 @@
 train.py's configurator. The hyperparameters (train.py's block and DRTConfig's fields) are changed
 by config files (Python, run in order), then by --key=value: a Python literal, or a bare word for a
 string; --groups=3,3 or --groups="()" for a tuple. Each value must have its default's type (an int
-passes for a float, a list for a tuple); a typo in a key is an error, never a new key.
+passes for a float, a list for a tuple); a typo in a key is an error, never a new key. check_config
+then checks each value's range (train.py checks what needs the data or a checkpoint).
 
     python train.py config/quickstart.py --batch_size=4 --groups=3,3
     python train.py --help      # every key, its default and why
@@ -76,3 +77,44 @@ def print_help(doc, path, config_class):
         block = f.read().split("\n# ---- ")[1]
     fields = inspect.getsource(config_class).split("\n    def ")[0].rstrip()  # the class up to its first method
     print(f"{doc.strip()}\n\n# ---- {block}\n# the model's keys (--n_embd=256 ...), model.py:\n{fields}")
+
+
+def is_tasks(dataset):
+    """Whether train.py's --dataset is a comma list of synthetic tasks (tasks.TRAINED), not a prepared text dataset."""
+    import tasks  # here, not above: tasks imports common, which imports this module
+    return all(t in tasks.TRAINED for t in dataset.split(","))
+
+
+def check_config(config):
+    """The ranges of train.py's values (configure checked their types): every problem, in one line."""
+    import tasks
+    c = types.SimpleNamespace(**config)
+    positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
+    bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
+    bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth",
+                                                      "weight_decay", "needle_loss") if config[k] < 0]
+    bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "task_haystack_frac")
+            if not 0 <= config[k] <= 1]
+    bad += [why for wrong, why in [
+        (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
+        (c.teacher_iters < 0 or c.max_iters >= 1 and c.teacher_iters > c.max_iters,
+         f"teacher_iters={c.teacher_iters} must lie in [0, max_iters={c.max_iters}]"),
+        (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
+        (len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas), f"betas={c.betas} must be two numbers in [0, 1)"),
+        (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
+         f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
+        (c.copy_frac and is_tasks(c.dataset),
+         f"copy_frac mixes rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
+        ("," in c.dataset and not is_tasks(c.dataset),
+         f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TRAINED)}"),
+        (tasks.parse_range(c.task_keys, 2, 16) is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
+        (tasks.parse_range(c.task_chains, 2, 16) is None,
+         f"task_chains={c.task_chains!r} must be N or A-B, 2 <= A <= B <= 16"),
+        (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys(),
+         f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}"),
+        (c.dtype not in ("auto", "bfloat16", "float32"), f"dtype={c.dtype!r} must be one of auto, bfloat16, float32"),
+        (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
+         f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    ] if wrong]
+    if bad:
+        raise ConfigError("; ".join(bad))

@@ -45,10 +45,9 @@ import re
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from common import GPT2_VOCAB, check_bin, get_tokenizer, max_token_id, read_meta
-from model import cdiv, upcast, window_reach
+from model import cdiv, window_reach
 
 TASKS = ("passkey", "multikey", "vartrack")
 TRAINED = TASKS  # train.py's task datasets
@@ -432,37 +431,6 @@ def needle_labels(x, y, T, groups=1, hop1=None):
             if need is not None and 0 <= need < t < labels.shape[2]:
                 labels[b, g, t] = need
     return torch.from_numpy(labels)
-
-
-def needle_loss(record, labels):
-    """train.py's needle ranking loss of a training forward run under DRT.recording(): needle_rank_loss of each group's
-    Eq. 1 (its ("eq1", q, l) entries, in group order) against its labels (B, G, n) of needle_labels, summed."""
-    eq1 = [r[1:] for r in record if r[0] == "eq1"]
-    return sum(needle_rank_loss(q, l, labels[:, g]) for g, (q, l) in enumerate(eq1))
-
-
-def needle_rank_loss(q, l, needles):
-    """Training only (train.py --needle_loss, a departure): the cross-entropy of Eq. 1's scores that each labelled landmark ranks its needle
-    first among the batch's chunks, a pressure that outlasts the answer's loss, which fades once Eq. 3 weighs the
-    needle enough to copy it. q (B, n, C) the landmarks' queries, l (B, n, C) the chunks' landmarks, needles (B, n):
-    the chunk to rank first (< its landmark), -1 for none; a row labels one landmark at most. Rivals: the row's
-    chunks before the landmark, and other rows' chunks before their labelled landmark; the needle's neighbours,
-    which may hold part of it, are left out in every row."""
-    B, n, C = q.shape
-    s = (upcast(q).flatten(0, 1) @ upcast(l).flatten(0, 1).T / math.sqrt(C)).view(B, n, B, n)  # fp32
-    j = torch.arange(n, device=q.device)
-    labelled = needles >= 0  # (B, n)
-    t_row = (labelled * j).amax(1)  # (B,) each row's labelled landmark (0: none, so no chunk before it)
-    need_row = needles.amax(1)  # (B,) its needle, -1: none
-    away = (j - need_row[:, None]).abs() != 1  # (B, n) not a neighbour of the row's needle
-    other = (j < t_row[:, None]) & away & (j != need_row[:, None])  # (B, n) chunks other rows may rank
-    own = (j[None, :] < j[:, None])[None] & away[:, None, :]  # (B, n, n) the row's earlier chunks
-    same = torch.eye(B, dtype=torch.bool, device=q.device)[:, None, :, None]  # (B, 1, B, 1)
-    valid = torch.where(same, own[:, :, None, :], other[None, None])  # (B, n, B, n)
-    valid = valid | ~labelled[:, :, None, None]  # unlabelled landmarks: ignored, but kept finite
-    target = torch.where(labelled, torch.arange(B, device=q.device)[:, None] * n + needles, -1)  # (B, n)
-    return F.cross_entropy(s.masked_fill(~valid, float("-inf")).view(B * n, B * n), target.view(-1),
-                           ignore_index=-1, reduction="sum") / labelled.sum().clamp(min=1)
 
 
 def hop_spacing(cfg, test=True):

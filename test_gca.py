@@ -868,14 +868,14 @@ def test_compile_whole_model(form):
     warning from the compiler, and computes what eager computes: the paper's form, and the code recipe's
     with a teacher's picks handed in. backend="aot_eager" traces and differentiates as on the GPU,
     without needing a C++ compiler."""
-    import train
+    import teacher
     torch._dynamo.reset()
     code = dict(code_read=True, softmax_off_by_one=False)
     model = tiny_model(dtype=torch.float32, gumbel=False, **(code if form == "code_teacher" else {})).train()  # same picks
     idx = tokens(model.config, 2, 5 * 7 + 3, seed=17)
     targets, picks = torch.roll(idx, -1, 1), None
     if form == "code_teacher":
-        picks = train.teacher_picks(idx, model.config)
+        picks = teacher.teacher_picks(idx, model.config)
         assert (picks >= 0).any()
     _, ref = model(idx, targets, picks=picks)
     ref.backward()

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import common
+import teacher
 import train
 from conftest import (
     HERE,
@@ -267,7 +268,7 @@ def test_progress(tmp_path, monkeypatch, capsys):
     args = tiny_args(tmp_path, "run", "--max_iters=1", "--eval_interval=1", "--tokens_per_step=140")
     train.main(args)
     assert "micro-batch" not in capsys.readouterr().out  # a tiny run: quiet
-    monkeypatch.setattr(train, "PROGRESS_AFTER", -1)
+    monkeypatch.setattr(common, "PROGRESS_AFTER", -1)
     train.main([*args, "--overwrite=True"])
     out = capsys.readouterr().out
     assert re.search(r"^step 1: micro-batch 1/2 done after 0m\d\ds$", out, re.M)
@@ -862,7 +863,7 @@ def test_teacher_picks(code_read):
     T, first = cfg.chunk_size - 1, int(code_read)
     chunks = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [4, 5, 6], [10, 11, 12], [7, 8, 13], [20, 21]]  # 3 repeats 1, 5 shares 7, 8 with 2
     idx = torch.tensor([sum(chunks, [])])
-    picks = train.teacher_picks(idx, cfg)  # (1, 6, 2): the 6 complete chunks' landmarks
+    picks = teacher.teacher_picks(idx, cfg)  # (1, 6, 2): the 6 complete chunks' landmarks
     assert picks.shape == (1, 6, 2)
     reads = torch.where(picks >= 0, picks + first, picks)[0]
     assert reads[2, 0] == 1 and reads[4, 0] == 2  # chunk 3 reads its source, chunk 5 the chunk sharing 7, 8
@@ -879,7 +880,7 @@ def test_teacher_slots_keep_eq1s_best():
     model = tiny_model(gumbel=False).eval()  # Eq. 1's picks without noise: the same in both forwards
     cfg = model.config
     K, idx = cfg.topk, tokens(cfg, 2, 6 * cfg.chunk_size, 0)
-    full, one = train.teacher_picks(idx, cfg), train.teacher_picks(idx, cfg, slots=1)  # (B, n, K)
+    full, one = teacher.teacher_picks(idx, cfg), teacher.teacher_picks(idx, cfg, slots=1)  # (B, n, K)
     assert (one[..., -1] == full[..., 0]).all() and (one[..., :-1] == -1).all()
     with model.recording() as plain:
         model(idx)
@@ -919,7 +920,7 @@ def test_teacher_hops_hands_each_group_its_hop(tmp_path, monkeypatch):
     labels = torch.full((2, 2, 4), -1)  # (B, G, n)
     labels[0, 0, 2], labels[0, 1, 3] = 0, 1  # row 0: two hops
     labels[1, :, 3] = 1  # row 1: one hop, every group
-    got = train.per_hop(picks, labels)
+    got = teacher.per_hop(picks, labels)
     assert got.shape == (2, 2, 4, 3)
     assert (got[0, 0, 3] == -1).all() and (got[0, 1, 2] == -1).all()  # each hop's landmark: its group alone
     assert torch.equal(got[0, 0, 2], picks[0, 2]) and torch.equal(got[0, 1, 3], picks[0, 3])
@@ -958,7 +959,7 @@ def test_teacher_hands_over_the_asked_needle(monkeypatch):
     cfg = DRTConfig(**{k: c[k] for k in train.MODEL_KEYS})
     T, rows, found = cfg.chunk_size - 1, tasks.TaskRows(types.SimpleNamespace(**c)), []
     x, y, _ = rows.batch("train", random.Random(0), True)  # (B, block_size) each; y: -1 but on the answer
-    picks = train.teacher_picks(x, cfg, c["teacher_slots"])  # (B, n, K): -1 but in the last slot
+    picks = teacher.teacher_picks(x, cfg, c["teacher_slots"])  # (B, n, K): -1 but in the last slot
     for b in range(x.size(0)):
         p = int((y[b] >= 0).nonzero()[0, 0])  # the question's last token predicts the answer's first
         answer = y[b, y[b] >= 0].tolist()[:-1]  # its digits, without the closing full stop
@@ -998,11 +999,11 @@ def test_needle_labels_point_at_the_asked_key(monkeypatch):
 
 
 def test_needle_rank_loss_against_a_loop():
-    """tasks.needle_rank_loss: the mean over labelled landmarks of -log softmax of Eq. 1's scores at the needle, over
+    """teacher.needle_rank_loss: the mean over labelled landmarks of -log softmax of Eq. 1's scores at the needle, over
     the row's earlier chunks but the needle's neighbours and the other rows' chunks before their own landmark, off
     their needle and its neighbours; its gradient raises the needle's score over its rivals."""
     import math
-    from tasks import needle_rank_loss
+    from teacher import needle_rank_loss
     torch.manual_seed(0)
     B, n, C = 4, 7, 8
     q, l = torch.randn(B, n, C, requires_grad=True), torch.randn(B, n, C)
@@ -1033,14 +1034,13 @@ def test_needle_rank_loss_against_a_loop():
 def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
     """--needle_loss: each training micro-batch's labels meet the Eq. 1 queries its forward recorded (evaluation has
     none), and the run trains; a text dataset, which has no needles, is refused before anything is made."""
-    import tasks
     tokenizer_or_skip(monkeypatch)
-    seen, orig = [], tasks.needle_loss
+    seen, orig = [], teacher.needle_loss
 
     def spy(record, labels):
         seen.append((tuple(labels.shape), [r[1].requires_grad for r in record if r[0] == "eq1"]))
         return orig(record, labels)
-    monkeypatch.setattr(tasks, "needle_loss", spy)
+    monkeypatch.setattr(teacher, "needle_loss", spy)
     args = ["--dataset=passkey", "--n_embd=32", "--n_head=4", "--n_lower=1", "--groups=1,", "--n_enc=1", "--chunk_size=8",
             "--window=16", "--topk=3", "--block_size=70", "--batch_size=4", "--tokens_per_step=560", "--max_iters=2",
             "--eval_interval=2", "--eval_iters=1", "--device=cpu", "--needle_loss=0.5", f"--out_dir={tmp_path / 'n'}"]
@@ -1054,7 +1054,6 @@ def test_needle_loss_trains_and_checks(tmp_path, monkeypatch):
 def test_needle_loss_under_compile():
     """The needle loss reads Eq. 1's queries and landmarks from DRT.recording(): under torch.compile (one graph;
     aot_eager traces and differentiates as on the GPU) the answer's loss with it, and every gradient, are eager's."""
-    import tasks
     from conftest import tiny_model, tokens
     torch._dynamo.reset()
     model = tiny_model(groups=(1, 1), dtype=torch.float32, gumbel=False).train()
@@ -1065,7 +1064,7 @@ def test_needle_loss_under_compile():
     def step(run):
         with model.recording() as record:
             _, loss = run(idx, idx)
-        total = loss + 0.5 * tasks.needle_loss(record, labels)
+        total = loss + 0.5 * teacher.needle_loss(record, labels)
         model.zero_grad()
         total.backward()
         return [total.detach()] + [p.grad.clone() for p in model.parameters()]

@@ -21,18 +21,14 @@ whatever the GPU count (step_rng).
 """
 
 import dataclasses
-import gc
-import json
 import math
 import os
-import random
 import shlex
 import signal
 import sys
 import time
 import types
 from contextlib import nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -40,10 +36,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import tasks
-from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, out_dir_lock, peak_flops,
-                    peak_mem_gib, retrieval_stats, saved_at, sink_label, stopped)
-from configurator import ConfigError, configure, keys_of, print_help
-from model import DRT, DRTConfig, cdiv, read_shift
+from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, log, out_dir_lock, peak_flops,
+                    peak_mem_gib, progress, retrieval_stats, saved_at, sink_label, step_rng, stopped)
+from configurator import ConfigError, check_config, configure, is_tasks, keys_of, print_help
+import teacher
+from model import DRT, DRTConfig, cdiv
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
 # I/O
@@ -59,10 +56,10 @@ stop_iter = 0  # stop and save after this step, the schedule unchanged (a long r
 dataset = "pg19"  # data/<dataset> of prepare_pg19.py or prepare_code.py ("code"), or a comma list of tasks.py's passkey, multikey, vartrack
 data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
-teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher_picks); 0 = the paper
+teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher.py); 0 = the paper
 teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
 teacher_hops = False  # task rows: a landmark where some group has a needle label hands the teacher's chunks to those groups alone (an experiment)
-needle_loss = 0.0  # task rows: weight of tasks.needle_rank_loss, Eq. 1 ranking the asked needle first in the batch
+needle_loss = 0.0  # task rows: weight of teacher.needle_loss, Eq. 1 ranking the asked needle first in the batch
 train_embeddings = True  # False: a fine-tune keeps init_from's token embeddings (and so the tied output layer)
 # synthetic tasks (tasks.py)
 task_min_depth = 0  # no needle before this token: the first chunks, told apart by having no past, never hold one
@@ -96,53 +93,7 @@ DEFAULTS, KINDS = keys_of(globals(), DRTConfig)
 MODEL_KEYS = [f.name for f in dataclasses.fields(DRTConfig)]
 PER_RUN = ("out_dir", "init_from", "overwrite", "stop_iter")  # what this command does: never restored on resume
 VAL_ROWS = ("dataset", "data_dir", "block_size", "task_min_depth", "task_haystack", "task_haystack_frac", "task_keys",
-            "task_chains",
-            "task_templates")  # what the validation rows are made of
-PROGRESS_AFTER = 10  # seconds a step or an evaluation runs before it says how far it got
-SAID = {"at": 0.0}  # when progress last said so
-
-
-def log(msg):  # rank 0 alone prints (torchrun sets RANK); flushed, so that logs under nohup or tee keep up
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(msg, flush=True)
-
-
-def is_tasks(dataset):
-    return all(t in tasks.TRAINED for t in dataset.split(","))
-
-
-def check_config(config):
-    """The values' ranges (configure checked their types): every problem, in one line."""
-    c = types.SimpleNamespace(**config)
-    positive = ("batch_size", "block_size", "max_iters", "eval_interval", "log_interval", "eval_iters", "ddp_timeout")
-    bad = [f"{k}={config[k]} must be a positive int" for k in positive if config[k] < 1]
-    bad += [f"{k}={config[k]} must be >= 0" for k in ("learning_rate", "tokens_per_step", "grad_clip", "task_min_depth",
-                                                      "weight_decay", "needle_loss") if config[k] < 0]
-    bad += [f"{k}={config[k]} must lie in [0, 1]" for k in ("copy_frac", "task_haystack_frac")
-            if not 0 <= config[k] <= 1]
-    bad += [why for wrong, why in [
-        (c.max_iters >= 1 and not 0 <= c.stop_iter <= c.max_iters, f"stop_iter={c.stop_iter} must lie in [0, max_iters={c.max_iters}]"),
-        (c.teacher_iters < 0 or c.max_iters >= 1 and c.teacher_iters > c.max_iters,
-         f"teacher_iters={c.teacher_iters} must lie in [0, max_iters={c.max_iters}]"),
-        (not 0 <= c.warmup_frac < 1, f"warmup_frac={c.warmup_frac} must lie in [0, 1)"),
-        (len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas), f"betas={c.betas} must be two numbers in [0, 1)"),
-        (c.learning_rate >= 0 and not 0 <= c.min_lr <= c.learning_rate,
-         f"min_lr={c.min_lr} must lie in [0, learning_rate={c.learning_rate}]"),
-        (c.copy_frac and is_tasks(c.dataset),
-         f"copy_frac mixes rows into a text dataset; --dataset={c.dataset} is synthetic tasks"),
-        ("," in c.dataset and not is_tasks(c.dataset),
-         f"dataset={c.dataset!r}: a comma list is of synthetic tasks, each one of {', '.join(tasks.TRAINED)}"),
-        (tasks.parse_range(c.task_keys, 2, 16) is None, f"task_keys={c.task_keys!r} must be N or A-B, 2 <= A <= B <= 16"),
-        (tasks.parse_range(c.task_chains, 2, 16) is None,
-         f"task_chains={c.task_chains!r} must be N or A-B, 2 <= A <= B <= 16"),
-        (not set(c.task_templates.split(",")) <= tasks.TEMPLATES.keys(),
-         f"task_templates={c.task_templates!r} must be a comma list of {', '.join(tasks.TEMPLATES)}"),
-        (c.dtype not in ("auto", "bfloat16", "float32"), f"dtype={c.dtype!r} must be one of auto, bfloat16, float32"),
-        (c.device not in ("auto", "cpu", "cuda") and not (c.device[:5] == "cuda:" and c.device[5:].isdigit()),
-         f"device={c.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
-    ] if wrong]
-    if bad:
-        raise ConfigError("; ".join(bad))
+            "task_chains", "task_templates")  # what the validation rows are made of
 
 
 class Data:
@@ -170,47 +121,6 @@ class Data:
         return tuple((t.pin_memory() if pin else t).to(self.device, non_blocking=pin) for t in rows)
 
 
-def teacher_picks(idx, cfg, slots=0):
-    """What GCA reads while step < teacher_iters. For landmark t of idx (B, L): the K chunks before chunk t
-    that share the most token ids, weighted by idf, with chunk t+1, the chunk that reads them.
-    It peeks at the text the read serves, so it exists in training only. Why: a read path fed chunks
-    that do not help never learns to copy from them, and Eq. 1 cannot learn to find chunks a read path
-    ignores; handed useful chunks first, GCA learns to use them (NOTES.md has the runs). Eq. 3 still
-    weighs the chunks with the model's scores. -> (B, n, K) chunk ids as Eq. 1's picks, -1 where
-    fewer than K are readable (then Eq. 1 picks). slots=n: the n best alone, in the last n slots: Eq. 1 keeps its
-    K-n best, the chunks its scores must learn to rank below the teacher's."""
-    T, V, K = cfg.chunk_size - 1, cfg.vocab_size, cfg.topk
-    B, L = idx.shape
-    n, nc = L // T, cdiv(L, T)  # landmarks (complete chunks), chunks
-    x = torch.nn.functional.pad(idx, (0, (nc + 1) * T - L), value=V).view(B, nc + 1, T)  # the last landmark's t+1: empty
-    bag = torch.zeros(B, nc + 1, V + 1, device=idx.device, dtype=torch.bfloat16).scatter_(2, x, 1.0)[..., :V]  # (B, nc + 1, V)
-    idf = torch.log((nc + 1) / (bag.float().sum(1, keepdim=True) + 1)).to(bag.dtype)  # (B, 1, V): rare ids count
-    score = torch.einsum("btv,brv->btr", bag[:, 1 : n + 1] * idf, bag[:, :n]).float()  # (B, n, n): chunk t+1 . chunk r
-    t, r = torch.arange(n, device=idx.device)[:, None], torch.arange(n, device=idx.device)
-    first = read_shift(cfg)  # GCA reads chunk j + first for a pick j: under code_read, chunk 0 is never read
-    score = score.masked_fill((r < first) | (r >= t), float("-inf"))  # chunks before t (t itself: the window's)
-    best, read = score.topk(min(K, n), -1)  # (B, n, K)
-    picks = (read - first).masked_fill(best == float("-inf"), -1)
-    picks = torch.nn.functional.pad(picks, (0, K - picks.size(-1)), value=-1)
-    keep = slots or K  # the teacher's best `keep`, in the last slots; -1 (Eq. 1's own) before them
-    return torch.cat([torch.full_like(picks[..., keep:], -1), picks[..., :keep]], -1)
-
-
-def per_hop(picks, labels):
-    """teacher_hops: picks (B, n, K) -> (B, G, n, K), each group's: at a landmark where some group has a needle label
-    (tasks.needle_labels (B, G, n)) the teacher's chunks go to the labelled groups alone, the others pick by Eq. 1
-    (-1). In a 2-hop row group 1 then reads "VAR X = 12345." only if it finds it, so the answer must come through
-    group 2."""
-    labelled = labels >= 0  # (B, G, n)
-    keep = labelled | ~labelled.any(1, keepdim=True)
-    return picks[:, None].masked_fill(~keep[..., None], -1)
-
-
-def step_rng(*parts):
-    """A random.Random that is a fixed function of parts (str seeds go through SHA-512: the same everywhere)."""
-    return random.Random(":".join(map(str, parts)))
-
-
 def get_lr(it, c):
     """Learning rate of step it (0-based): linear warmup, then cosine from learning_rate to min_lr."""
     warmup = int(c.warmup_frac * c.max_iters)
@@ -218,13 +128,6 @@ def get_lr(it, c):
         return c.learning_rate * (it + 1) / warmup
     progress = (it - warmup) / max(1, c.max_iters - warmup)
     return c.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (c.learning_rate - c.min_lr)
-
-
-def progress(t0, text):
-    """Log text when the work begun at t0 has run PROGRESS_AFTER s without a word: a long step shows it is alive."""
-    if (now := time.time()) - max(t0, SAID["at"]) > PROGRESS_AFTER:
-        log(f"{text} after {fmt_time(now - t0)}")
-        SAID["at"] = now
 
 
 @torch.no_grad()
@@ -251,8 +154,7 @@ def estimate_loss(model, raw_model, data, c, autocast):
 
 def check_run(c, given, ckpt, src, world_size, device):
     """Every setting that needs more than its own value, before a model is built (an error leaves nothing behind)
-    -> (the DRTConfig's fields, the data, micro-batches per step, tokens per step).
-    The architecture is the checkpoint's if there is one: model keys given now must agree."""
+    -> (DRTConfig's fields, the checkpoint's if any, model keys given now agreeing; the data; micro-batches; tokens)."""
     per_micro = c.batch_size * c.block_size * world_size  # tokens_per_step = grad_accum micro-batches on every rank
     tokens_per_step = c.tokens_per_step or per_micro
     if tokens_per_step % per_micro:
@@ -278,8 +180,8 @@ def check_run(c, given, ckpt, src, world_size, device):
     if c.teacher_iters and not c.groups:
         raise ConfigError("teacher_iters hands chunks to GCA, which a model without groups lacks")
     if c.teacher_hops and not (c.teacher_iters and is_tasks(c.dataset)):
-        raise ConfigError("teacher_hops splits the teacher's chunks by the needles of task rows: it needs "
-                          "--teacher_iters and a task dataset")
+        raise ConfigError("teacher_hops splits the teacher's chunks by task rows' needles: it needs --teacher_iters "
+                          "and a task dataset")
     if c.needle_loss and not is_tasks(c.dataset):
         raise ConfigError(f"--needle_loss ranks the asked needle of task rows, which only the task datasets "
                           f"({', '.join(tasks.TRAINED)}) have; --dataset={c.dataset} is text")
@@ -325,43 +227,39 @@ def build(c, model_args, ckpt, src, device, finetune):
     return model, optimizer, ckpt["iter_num"], ckpt["best_val_loss"]
 
 
-def save(c, model, optimizer, model_args, iter_num, best_val_loss, val_loss, tokens_per_step):
-    """The run as it stands at iter_num, into out_dir: each file written whole (to .tmp, then renamed) -> iter_num."""
-    ckpt_path, json_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "ckpt.json")
-    state = {"model_args": model_args, "config": vars(c), "iter_num": iter_num, "best_val_loss": best_val_loss}
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, ckpt_path + ".tmp")
-    os.replace(ckpt_path + ".tmp", ckpt_path)
-    with open(json_path + ".tmp", "w") as f:  # the same without tensors, for people and tools without torch
-        json.dump({**state, "val_loss": val_loss, "tokens_seen": iter_num * tokens_per_step}, f, indent=1)
-    os.replace(json_path + ".tmp", json_path)
-    log(f"saved {ckpt_path} at step {iter_num}")
-    return iter_num
+def save(r, val_loss):
+    """The run r as it stands, into out_dir (common.save_checkpoint) -> its step."""
+    state = {"model_args": r.model_args, "config": vars(r.c), "iter_num": r.iter_num, "best_val_loss": r.best_val_loss}
+    extra = {"val_loss": val_loss, "tokens_seen": r.iter_num * r.tokens_per_step}
+    log(f"saved {common.save_checkpoint(r.c.out_dir, r.raw_model, r.optimizer, state, extra)} at step {r.iter_num}")
+    return r.iter_num
 
 
-def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp):
-    """Optimizer step iter_num + 1 over grad_accum micro-batches -> its mean loss, left on the device (no host sync);
-    None if a signal dropped it."""
+def train_step(r):
+    """Optimizer step r.iter_num + 1 over grad_accum micro-batches -> (its mean loss, left on the device: no host sync,
+    or None if a signal dropped it; its learning rate)."""
+    c, model, optimizer, iter_num, grad_accum = r.c, r.model, r.optimizer, r.iter_num, r.grad_accum
     lr = get_lr(iter_num, c)
     for group in optimizer.param_groups:
         group["lr"] = lr
     t_step, step_loss = time.time(), 0
     for micro in range(grad_accum):
-        if micro and STOP["signum"] and not ddp:  # one process stops now, not grad_accum micro-batches later: the step
-            optimizer.zero_grad(set_to_none=True)  # is dropped, the last whole one saved (exact to resume). Under DDP
-            return None, lr  # the ranks' all-reduce pairs their steps: they stop together, at a log line
+        if micro and STOP["signum"] and not r.ddp:  # one process stops now, not grad_accum micro-batches later: the
+            optimizer.zero_grad(set_to_none=True)  # step is dropped, the last whole one saved (exact to resume). Under
+            return None, lr  # DDP the ranks' all-reduce pairs their steps: they stop together, at a log line
         if micro:
             progress(t_step, f"step {iter_num + 1}: micro-batch {micro}/{grad_accum} done")
-        g = rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
-        x, y, *labels = data.batch("train", step_rng(c.seed, "train", iter_num, g), True,
-                                   c.needle_loss > 0 or c.teacher_hops)
+        g = r.rank * grad_accum + micro  # global micro-batch index: the same batches whatever the GPU count
+        x, y, *labels = r.data.batch("train", step_rng(c.seed, "train", iter_num, g), True,
+                                     c.needle_loss > 0 or c.teacher_hops)
         torch.manual_seed(step_rng(c.seed, "gumbel", iter_num, g).getrandbits(63))  # the model's noise
-        picks = teacher_picks(x, raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None  # (B, n, K) or None
-        if picks is not None and c.teacher_hops:
-            picks = per_hop(picks, labels[0])  # (B, G, n, K)
-        with model.no_sync() if ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
-            with autocast, raw_model.recording() if c.needle_loss else nullcontext() as record:  # Eq. 1's, for the ranking
+        picks = teacher.teacher_picks(x, r.raw_model.config, c.teacher_slots) if iter_num < c.teacher_iters else None
+        if picks is not None and c.teacher_hops:  # (B, n, K) -> (B, G, n, K)
+            picks = teacher.per_hop(picks, labels[0])
+        with model.no_sync() if r.ddp and micro < grad_accum - 1 else nullcontext():  # all-reduce once per step
+            with r.autocast, r.raw_model.recording() if c.needle_loss else nullcontext() as record:  # Eq. 1's queries
                 _, loss = model(x, y, picks=picks)
-                total = loss + c.needle_loss * tasks.needle_loss(record, labels[0]) if c.needle_loss else loss
+                total = loss + c.needle_loss * teacher.needle_loss(record, labels[0]) if c.needle_loss else loss
             (total / grad_accum).backward()
         step_loss = step_loss + loss.detach().float() / grad_accum
     if c.grad_clip:
@@ -371,11 +269,11 @@ def train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum,
     return step_loss, lr
 
 
-def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
-    """The run main set up, from checkpoint ckpt (or None); again is the command that continues it."""
-    master, cuda, finetune = rank == 0, device.type == "cuda", c.init_from not in ("scratch", "resume")
+def setup(c, given, ckpt, src, device, ddp, rank, world_size):
+    """The run main set up, from checkpoint ckpt (or None): its model (raw_model; eval_model compiled; model under
+    DDP), optimizer, data and loop state, as one namespace; says what it is in the first log line."""
+    cuda, finetune = device.type == "cuda", c.init_from not in ("scratch", "resume")
     dtype = c.dtype if c.dtype != "auto" else "bfloat16" if cuda else "float32"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for what stays in fp32 on the GPU
     model_args, data, grad_accum, tokens_per_step = check_run(c, given, ckpt, src, world_size, device)
@@ -383,80 +281,100 @@ def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
     if ckpt:
         ckpt.clear()  # free it (main holds it too)
     eval_model = torch.compile(raw_model) if c.compile and cuda else raw_model  # rank 0 evaluates alone: no DDP
-    model = DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model
-
     logit_share = min(1.0, data.span / c.block_size) if data.span else 1.0  # task rows make logits at the answer alone
-    flops_per_token, peak = common.flops_per_token(raw_model, logit_share), peak_flops(device)  # matmuls, forward + backward
+    r = types.SimpleNamespace(
+        c=c, raw_model=raw_model, eval_model=eval_model, optimizer=optimizer, data=data, device=device, ddp=ddp,
+        model=DDP(eval_model, device_ids=[device.index] if cuda else None) if ddp else eval_model, rank=rank,
+        world_size=world_size, grad_accum=grad_accum, tokens_per_step=tokens_per_step, model_args=model_args,
+        autocast=torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext(),
+        flops_per_token=common.flops_per_token(raw_model, logit_share), peak=peak_flops(device),  # matmuls, fwd + bwd
+        iter_num=iter_num, best_val_loss=best_val_loss, start=iter_num, last=c.stop_iter or c.max_iters, history=[],
+        resumed=c.init_from == "resume", loss_sum=torch.zeros((), device=device), t_last=time.time(), it_last=iter_num)
+    r.evaluated = r.start if r.resumed else -1  # the step last evaluated: a resume's first was, just before its save
+    r.saved = r.start  # the step of the checkpoint this run last wrote, or started from: nothing to save before a step
     what = f"DRT groups={model_args['groups']}" if c.groups else "sliding-window baseline"
     how = f"resuming at step {iter_num}" if iter_num else f"fine-tuning {c.init_from}" if finetune else "from scratch"
     if c.teacher_iters:
         what += f" (GCA reads teacher_picks for steps 1-{c.teacher_iters}; evaluation uses Eq. 1)"
-    log(f"{what}, {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e9:.2f} GFLOP/token | "
+    log(f"{what}, {raw_model.num_params() / 1e6:.2f}M parameters, {r.flops_per_token / 1e9:.2f} GFLOP/token | "
         f"{c.batch_size} seq x {c.block_size:,} tok x {world_size} rank(s) x {grad_accum} accum = "
         f"{tokens_per_step:,} tok/step | {device} {dtype} | {c.dataset} | {how}")
-    checkpoint = lambda val: save(c, raw_model, optimizer, model_args, iter_num, best_val_loss, val, tokens_per_step)  # noqa: E731
+    return r
 
-    # the loop. iter_num counts the optimizer steps done: all a checkpoint must hold for an exact resume
-    start, last, history = iter_num, c.stop_iter or c.max_iters, []
-    resumed = c.init_from == "resume"
-    evaluated = start if resumed else -1  # the step last evaluated: a resume's first was, just before its save
-    saved = start  # the step of the checkpoint this run last wrote, or started from: nothing to save before a step
-    stop = 0  # the signal that stops every rank at the next step boundary
-    loss_sum, t_last, it_last = torch.zeros((), device=device), time.time(), iter_num
-    model.train()
+
+def evaluate(r):
+    """Rank 0's evaluation: the losses and retrieval's health in a log line, then the checkpoint where it is due."""
+    c, t_eval, r.evaluated = r.c, time.time(), r.iter_num
+    losses, ret = estimate_loss(r.eval_model, r.raw_model, r.data, c, r.autocast)
+    ppl = {k: math.exp(min(v, 700)) for k, v in losses.items()}  # a diverged run is reported, not a crash
+    log(f"eval iter {r.iter_num}: train loss {losses['train']:.4f} (ppl {ppl['train']:.2f}), "
+        f"val loss {losses['val']:.4f} (ppl {ppl['val']:.2f})"
+        + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else "")
+        + (f", {sink_label(r.raw_model.config)} {ret['sink']:.2f}" if "sink" in ret else ""))
+    improved, r.best_val_loss = losses["val"] < r.best_val_loss, min(r.best_val_loss, losses["val"])
+    if r.iter_num > r.start and (improved or c.always_save_checkpoint or r.iter_num == r.last):
+        r.saved = save(r, losses["val"])  # the last step too: out_dir must end up holding this run
+    r.t_last += time.time() - t_eval  # evaluation and saving are not training time
+
+
+def stop_here(r, stop, again):
+    """A signal stops every rank at this step boundary, where the model is whole: saved, then how to go on (again)."""
+    r.saved = save(r, None) if r.rank == 0 and r.iter_num > r.saved else r.saved
+    if r.ddp:
+        dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
+    said = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
+    said += (f": saved {os.path.join(r.c.out_dir, 'ckpt.pt')} at step {r.iter_num}; continue with: {again}"
+             if r.iter_num > r.start or r.resumed else " before the first step: nothing saved")
+    stopped(said if r.rank == 0 else "", stop)
+
+
+def log_steps(r, lr):
+    """The log line of the steps since the last -> under DDP the signal any rank was sent (all stop on it), else 0."""
+    c, stop = r.c, 0
+    if r.ddp:  # the losses of all ranks, and the signal any rank was sent
+        sent = torch.tensor(float(STOP["signum"]), device=r.device)
+        dist.all_reduce(r.loss_sum)  # SUM (gloo has no AVG)
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # SIGTERM (15) before SIGINT (2)
+        stop = int(sent.item())
+    mean_loss = r.loss_sum.item() / r.world_size / (r.iter_num - r.it_last)
+    dt = (time.time() - r.t_last) / (r.iter_num - r.it_last)
+    tok_s = r.tokens_per_step / dt
+    mfu = f"{100 * r.flops_per_token * tok_s / (r.peak * r.world_size):.1f}%" if r.peak else "n/a"
+    log(f"iter {r.iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {lr:.2e} | "
+        f"{1000 * dt:.1f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(r.device):.1f} GiB | "
+        f"eta {fmt_time(dt * (r.last - r.iter_num))}")
+    r.history.append((r.iter_num, mean_loss))
+    r.loss_sum.zero_()
+    r.t_last, r.it_last = time.time(), r.iter_num
+    return stop
+
+
+def train(c, given, ckpt, src, device, ddp, rank, world_size, again):
+    """The run main set up, from checkpoint ckpt (or None); again is the command that continues it -> the logged
+    [(iter, loss)]. r.iter_num counts the optimizer steps done: all a checkpoint must hold for an exact resume."""
+    r, stop = setup(c, given, ckpt, src, device, ddp, rank, world_size), 0  # stop: the signal that stops every rank
+    r.model.train()
     while True:
         catch_signals()  # Ctrl-C and SIGTERM only take note (common.on_signal): the run stops below, between steps
-        if master and (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != evaluated:
-            t_eval, evaluated = time.time(), iter_num
-            losses, ret = estimate_loss(eval_model, raw_model, data, c, autocast)
-            ppl = {k: math.exp(min(v, 700)) for k, v in losses.items()}  # a diverged run is reported, not a crash
-            log(f"eval iter {iter_num}: train loss {losses['train']:.4f} (ppl {ppl['train']:.2f}), "
-                f"val loss {losses['val']:.4f} (ppl {ppl['val']:.2f})"
-                + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else "")
-                + (f", {sink_label(raw_model.config)} {ret['sink']:.2f}" if "sink" in ret else ""))
-            improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
-            if iter_num > start and (improved or c.always_save_checkpoint or iter_num == last):
-                saved = checkpoint(losses["val"])  # the last step too: out_dir must end up holding this run
-            t_last += time.time() - t_eval  # evaluation and saving are not training time
-        if iter_num >= last:
+        if rank == 0 and (r.iter_num % c.eval_interval == 0 or r.iter_num == r.last) and r.iter_num != r.evaluated:
+            evaluate(r)
+        if r.iter_num >= r.last:
             break
         if not ddp:  # one process: at every step boundary; under DDP all ranks agree at the log line below
             stop = STOP["signum"]
-        if stop:  # a step boundary: the model is whole
-            saved = checkpoint(None) if master and iter_num > saved else saved
-            if ddp:
-                dist.barrier()  # rank 0's save is done before any rank leaves (torchrun would kill it)
-            said = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
-            said += (f": saved {os.path.join(c.out_dir, 'ckpt.pt')} at step {iter_num}; continue with: {again}"
-                     if iter_num > start or resumed else " before the first step: nothing saved")
-            stopped(said if master else "", stop)
-
-        step_loss, lr = train_step(model, raw_model, optimizer, data, c, iter_num, rank, grad_accum, autocast, ddp)
+        if stop:
+            stop_here(r, stop, again)
+        step_loss, lr = train_step(r)
         if step_loss is None:
             continue  # dropped by a signal: back at the step boundary, which saves and stops
-        loss_sum += step_loss
-        iter_num += 1
-        if iter_num % c.log_interval == 0 or iter_num == last:
-            if ddp:  # the losses of all ranks, and the signal any rank was sent: then all stop at this step
-                sent = torch.tensor(float(STOP["signum"]), device=device)
-                dist.all_reduce(loss_sum)  # SUM (gloo has no AVG)
-                dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # SIGTERM (15) before SIGINT (2)
-                stop = int(sent.item())
-            mean_loss = loss_sum.item() / world_size / (iter_num - it_last)
-            dt = (time.time() - t_last) / (iter_num - it_last)
-            tok_s = tokens_per_step / dt
-            mfu = f"{100 * flops_per_token * tok_s / (peak * world_size):.1f}%" if peak else "n/a"
-            log(f"iter {iter_num}/{c.max_iters} | loss {mean_loss:.4f} | lr {lr:.2e} | "
-                f"{1000 * dt:.1f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu} | peak mem {peak_mem_gib(device):.1f} GiB | "
-                f"eta {fmt_time(dt * (last - iter_num))}")
-            history.append((iter_num, mean_loss))
-            loss_sum.zero_()
-            t_last, it_last = time.time(), iter_num
-
-    log(f"done: step {iter_num}/{c.max_iters}, best val loss {best_val_loss:.4f}")
+        r.loss_sum += step_loss
+        r.iter_num += 1
+        if r.iter_num % c.log_interval == 0 or r.iter_num == r.last:
+            stop = log_steps(r, lr)  # under DDP the signal all ranks now stop on; alone, the next boundary's is read
+    log(f"done: step {r.iter_num}/{c.max_iters}, best val loss {r.best_val_loss:.4f}")
     if ddp:
         dist.barrier()  # rank 0 may still be evaluating and saving: leave together
-    return history
+    return r.history
 
 
 def main(argv=None):
@@ -469,12 +387,21 @@ def main(argv=None):
     # rank 0 holds out_dir's lock from here to the end: a second run into it is refused at once, and what start finds
     # there (a checkpoint to resume or not to overwrite) stays this run's until it saves
     with out_dir_lock(config["out_dir"]) if int(os.environ.get("RANK", 0)) == 0 else nullcontext():
-        return start(argv, config, given)
+        ckpt, src = starting_point(config, given)
+        check_config(config)
+        c = types.SimpleNamespace(**config)
+        ddp, rank, world_size, device = common.init_ddp(c.device, c.ddp_timeout)
+        again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
+        again = ("torchrun <as before> " if ddp else "python ") + shlex.join(["train.py", *again])  # what continues
+        since = 0.0 if c.init_from == "resume" else time.time()  # this run's checkpoints: written after it began
+        with common.stopping(c.out_dir, since, again, rank, ddp):
+            return train(c, given, ckpt, src, device, ddp, rank, world_size, again)
 
 
-def start(argv, config, given):
-    """main's run under out_dir's lock: its checkpoint and config, DDP, Ctrl-C and SIGTERM, then train."""
-    # where to start: resuming takes the checkpoint's values of the keys not given now (PER_RUN keys excepted)
+def starting_point(config, given):
+    """Where the run starts -> (the checkpoint or None, its path): resuming takes the checkpoint's values of the keys
+    not given now (PER_RUN keys excepted); a fine-tune, init_from's weights; a run from scratch, nothing, and out_dir
+    must hold no checkpoint unless overwrite."""
     ckpt, src = None, os.path.join(config["out_dir"], "ckpt.pt")
     if config["init_from"] == "resume":
         if not os.path.isfile(src):
@@ -507,49 +434,7 @@ def start(argv, config, given):
             raise ConfigError(f"init_from={config['init_from']!r}: no checkpoint there (want 'scratch', 'resume', or "
                               f"the path of a train.py ckpt.pt or its out_dir)")
         ckpt = load_checkpoint(src, "point --init_from at a train.py ckpt.pt or its out_dir")
-    check_config(config)
-    c = types.SimpleNamespace(**config)
-
-    # DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; plain python runs one process
-    ddp = "RANK" in os.environ
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    again = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))] + ["--init_from=resume"]
-    again = ("torchrun <as before> " if ddp else "python ") + shlex.join(["train.py", *again])  # what continues
-    dev = c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    if (cuda := dev.startswith("cuda")) and not torch.cuda.is_available():
-        raise ConfigError(f"device={dev!r} but CUDA is not available: use --device=cpu (or auto)")
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if ddp and cuda else dev)
-    if ddp and cuda:
-        torch.cuda.set_device(device)
-    if ddp:  # a timeout, so that a rank waiting for a dead or hung one fails in minutes, not in half an hour
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
-                                timeout=timedelta(seconds=c.ddp_timeout))
-
-    STOP.update(signum=0, at=0.0)
-    handlers, since = catch_signals(), 0.0 if c.init_from == "resume" else time.time()  # checkpoints of this run
-    try:
-        return train(c, given, ckpt, src, device, ddp, rank, world_size, again)
-    except KeyboardInterrupt:  # a second Ctrl-C
-        last = saved_at(c.out_dir, since)
-        stopped("interrupted: stopped at once; " + (f"the last checkpoint is {last}; continue with: {again}"
-                                                    if last else "no checkpoint saved"), signal.SIGINT)
-    except Exception as e:  # under DDP, a collective fails when a rank dies, and torchrun's SIGTERM follows
-        for _ in range(30 if ddp and not isinstance(e, (ConfigError, CheckpointError)) else 0):  # 3 s
-            if signum := STOP["signum"]:
-                last = saved_at(c.out_dir, since)
-                stopped(f"rank {rank}: stopped by {signal.Signals(signum).name} (another rank failed?); " +
-                        (f"the last checkpoint is {last}: resume with --init_from=resume" if last else
-                         "no checkpoint saved"), signum)
-            time.sleep(0.1)
-        raise
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-        if ddp:
-            dist.destroy_process_group()
-            # gloo's worker may still hold the last collectives' tensors: freed as Python exits they take the GIL, and
-            # the rank dies of SIGABRT (5 runs of 52 on a loaded CPU; 0 of 120 collected here, while Python lives)
-            gc.collect()
+    return ckpt, src
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 # Laid over config/code_lm.py: the form of DRT whose retrieval beats random picks on code, with a teacher first.
 #   python train.py config/code_lm.py config/code_teacher.py     # two such runs share one H200 in ~10 minutes
 # For the first teacher_iters steps GCA reads, for each chunk, the earlier chunks that share the most
-# rare tokens with the chunk after it (train.py's teacher_picks): the read path learns to copy from
+# rare tokens with the chunk after it (teacher.teacher_picks): the read path learns to copy from
 # chunks that help. Then Eq. 1 picks alone: past 4K its picks are 6.6-8.5% better than random ones in
 # every run (the README's code table). Evaluation (evaluate.py --ppl, --inspect) always uses Eq. 1.
 out_dir = "out-code-teacher"

@@ -35,7 +35,7 @@ learning_rate = 5e-4  # a quarter of stage 1's: the rate multi-key was learned a
 min_lr = 1e-4
 warmup_frac = 0.05
 max_iters = 8000
-# For its first 3,000 steps GCA's last slot reads the chunk a teacher finds (train.teacher_picks: the
+# For its first 3,000 steps GCA's last slot reads the chunk a teacher finds (teacher.teacher_picks: the
 # most idf-weighted ids shared with the next chunk: in the filler the needle asked for; in a book about half the
 # time, as the answer's chunk goes on with the book), the other slots Eq. 1's own best. Without it stage 2
 # stalled on 2 runs of 4 (validation loss 0.95, 1.30); with it 11 runs of 12 over five seeds reached a best
@@ -44,7 +44,7 @@ max_iters = 8000
 # every book row) one run was no better (NOTES.md).
 teacher_iters = 3000
 teacher_slots = 1
-# Throughout, a cross-entropy on Eq. 1's scores (tasks.needle_rank_loss, weight 0.1) asks the landmark that serves
+# Throughout, a cross-entropy on Eq. 1's scores (teacher.needle_rank_loss, weight 0.1) asks the landmark that serves
 # the answer to rank the asked needle's chunk first among its row's earlier chunks and the batch's other rows'
 # chunks. The answer's loss stops shaping Eq. 1 once the needle weighs enough to copy it, which left the needle a
 # thin margin over the thousands of book chunks of a long test: one run of twelve without it lost the passkey with

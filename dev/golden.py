@@ -6,7 +6,7 @@ On the CPU, 2 threads, deterministic algorithms, fixed seeds, in a fixed order:
      retrieval's record and statistics
   b  the code recipe's form (config/code_teacher.py's switches) with the teacher's picks: the same
   c  the passkey tasks: a batch of passkey, multi-key and 2-hop rows (tasks.get_batch), their needle labels, per-group
-     teacher picks (train.per_hop), the answer's loss and the needle ranking loss, each with its gradients; a 2-hop
+     teacher picks (per_hop), the answer's loss and the needle ranking loss, each with its gradients; a 2-hop
      test prompt answered through a stream (sample.answer_prompt) and its per-hop hits
   d  streams: a row fed in segments and token by token, a skimmed prefill and a greedy continuation; the logits
   e  checkpoints: two train.py runs of 2 steps (text with the code form and a teacher; tasks with teacher_hops and
@@ -94,15 +94,24 @@ def task_losses(model, x, y, picks, labels):
     span = tasks.MAX_ANSWER + model.config.chunk_size - 2
     with model.recording() as record:
         _, loss = model(x, y[:, -span:], picks=picks)
-    return loss, tasks.needle_loss(record, labels)
+    return loss, teaching("needle_loss")(record, labels)
+
+
+def teaching(name):
+    """teacher_picks, per_hop or needle_loss, wherever this version keeps it: teacher.py, or before it train.py."""
+    try:
+        import teacher
+    except ImportError:
+        return getattr(train, name)
+    return getattr(teacher, name)
 
 
 def teacher_picks(idx, cfg, slots=0):
-    return train.teacher_picks(idx, cfg, slots)
+    return teaching("teacher_picks")(idx, cfg, slots)
 
 
 def per_hop(picks, labels):
-    return train.per_hop(picks, labels)
+    return teaching("per_hop")(picks, labels)
 
 
 def helper(name):
