@@ -13,6 +13,8 @@ constant (window + k*S), so the model runs at any length.
 
 Sections in the order of §3: config -> ALiBi and window attention -> chunks and their encoder ->
 retrieval -> GCA -> blocks -> the model, one pipeline (DRT.run) for training and streaming -> streams.
+Fused forms of the same functions: fused.py (the window through FlexAttention, the loss without the
+logits) and gca_kernel.py (GCA in Triton), each behind the plain form written here.
 
     from model import DRTConfig, DRT
     model = DRT(DRTConfig())                 # the paper's 146M DRT (groups=() -> baseline)
@@ -147,7 +149,7 @@ def alibi_bias(q_pos, k_pos, slopes, window=None):
 
 def window_attention(q, k, v, pos0, window, slopes, ring=None):
     """q, k, v (B, H, L, D) at positions pos0 .. pos0+L-1, ring: a stream's KVRing of the W positions before, or
-    None -> (B, H, L, D). FlexAttention on a GPU without a ring, else tiled SDPA."""
+    None -> (B, H, L, D). FlexAttention (fused.py) on a GPU without a ring, else tiled SDPA."""
     if ring is None and q.is_cuda and fused.flex_attention is not None:
         return fused.flex_window_attention(q, k, v, window, slopes)
     B, L, W, dev = q.size(0), q.size(2), window, q.device
@@ -519,7 +521,7 @@ class DRT(nn.Module):
     @contextmanager
     def recording(self):
         """Collect what retrieval and GCA do in the block into the list it yields (the model never reads it): per group
-        ("eq1", q, l), Eq. 1's queries and a whole row's landmarks (B, n, C), in the graph (tasks.needle_loss), and
+        ("eq1", q, l), Eq. 1's queries and a whole row's landmarks (B, n, C), in the graph (teacher.needle_loss), and
         ("picks", chunk ids (n,), idx, w (B, n, K)); per upper layer ("gca", q, k_mem, v_mem, idx, w)."""
         record, parts = [], [self, *self.upper]
         for part in parts:
@@ -638,7 +640,6 @@ class DRT(nn.Module):
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
-
 
 
 # -----------------------------------------------------------------------------

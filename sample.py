@@ -33,7 +33,7 @@ from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, in_reach, 
 from tasks import CHAINS, hop_hits, hop_spacing, min_length, needle_picks, needles_and_question, score, wilson
 
 # -----------------------------------------------------------------------------
-# Generation: a checkpoint, a prompt, model.generate
+# Generation: a prompt, model.generate (the checkpoint: common.read_checkpoint, common.build_model)
 
 
 error = functools.partial(common.error, "sample.py")  # a wrong argument or an unusable file: one line

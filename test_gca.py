@@ -984,12 +984,12 @@ def test_segmented_prefill_equals_one_shot(offload):
 
 def test_windows_see_w_minus_1_back():
     """Retrieval off, a token reaches the last output through the stacked windows from L x (W-1) positions back
-    and no further (each window: 0 <= i - j < W); window_reach, L x W, bounds it; sample.py's `in reach` counts
-    with the exact sight."""
+    and no further (each window: 0 <= i - j < W): window_reach(exact=True), what sample.py's `in reach` counts with;
+    window_reach, L x W, bounds it."""
     model = tiny_model(retriever="none").eval()
     cfg = model.config
     sight = (cfg.n_lower + cfg.n_upper) * (cfg.window - 1)  # 2 x 15 = 30 positions
-    assert sight < drt.window_reach(cfg)
+    assert sight == drt.window_reach(cfg, exact=True) < drt.window_reach(cfg)
     idx = tokens(cfg, 1, 60, seed=3)
     ids, _ = insert_landmarks(idx, cfg)
     pos = (ids[0] != cfg.landmark_id).nonzero().squeeze(1)  # (60,) the text tokens' stream positions

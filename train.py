@@ -36,10 +36,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import tasks
+import teacher
 from common import (STOP, CheckpointError, catch_signals, fmt_time, load_checkpoint, log, out_dir_lock, peak_flops,
                     peak_mem_gib, progress, retrieval_stats, saved_at, sink_label, step_rng, stopped)
 from configurator import ConfigError, check_config, configure, is_tasks, keys_of, print_help
-import teacher
 from model import DRT, DRTConfig, cdiv
 
 # ---- hyperparameters: the paper's 146M DRT x1 on PG19 (§4.1.2, Appendix A) ----
