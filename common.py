@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from configurator import ConfigError
+from configurator import MERGED, ConfigError
 
 # dense bf16 tensor-core peak FLOP/s by device name (the first key found in the name wins: PCIe first)
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
@@ -363,9 +363,6 @@ def load_checkpoint(path, fix, mmap=False):
 # options this version removed (the notes give their results): a checkpoint that used one cannot be run the same
 REMOVED = {"ret_dim": 0, "enc_rope": False, "repeat_frac": 0.0}  # each at its off value
 RENAMED = {"pool_retrieval": ("pool_tokens", {"": False, "tokens": True})}  # old key: (new key, old value -> new)
-# the four switches of the code recipe's read path, now the one code_read: the paper's values, then the recipe's
-MERGED = ({"gca_sink": True, "center_memory": False, "read_next": False, "pool_tokens": False},
-          {"gca_sink": False, "center_memory": True, "read_next": True, "pool_tokens": True})
 
 
 def upgrade(ckpt, path, fix):

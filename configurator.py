@@ -18,6 +18,12 @@ import runpy
 import types
 
 
+# the read path's four departures, one switch now (code_read): their values in the paper's form, then in the code
+# recipe's; the command line names them, common.upgrade maps a checkpoint's
+MERGED = ({"gca_sink": True, "center_memory": False, "read_next": False, "pool_tokens": False},
+          {"gca_sink": False, "center_memory": True, "read_next": True, "pool_tokens": True})
+
+
 class ConfigError(Exception):
     """A mistake in the command, a config file, the data or out_dir: printed in one line, no traceback."""
 
@@ -55,6 +61,9 @@ def configure(argv, defaults, kinds):
         else:
             raise ConfigError(f"config file {arg} not found (overrides are written --key=value)")
         for k, v in updates.items():
+            if k in MERGED[0]:
+                raise ConfigError(f"{arg}: {k} is no key now: {', '.join(MERGED[0])} are one switch, code_read (True: "
+                                  f"all four, as config/code_teacher.py had them)")
             if k not in defaults:
                 close = difflib.get_close_matches(k, defaults, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""

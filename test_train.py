@@ -126,8 +126,11 @@ def test_overrides():
     (["--max_iters=-5"], r"^max_iters=-5 must be a positive int$"),  # the one wrong value, not stop_iter's range too
     (["--betas=0.9,", "--data_dir=nowhere"], r"^betas=\(0.9,\) must be two numbers in \[0, 1\)$"),
     (["--weight_decay=-1", "--data_dir=nowhere"], r"^weight_decay=-1.0 must be >= 0$"),  # nowhere: fails fast if not
+    (["--read_next=True"], r"read_next is no key now: gca_sink, center_memory, read_next, pool_tokens are one switch, "
+                           r"code_read"),
 ], ids=["unknown-key", "float-for-int", "int-for-tuple", "int-for-bool", "no-value", "block-size", "no-file",
-        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr", "negative-iters", "betas", "weight-decay"])
+        "copy-rows-in-tasks", "device", "unknown-task", "negative-lr", "negative-iters", "betas", "weight-decay",
+        "merged-key"])
 def test_config_errors(argv, message):
     with pytest.raises(train.ConfigError, match=message):
         train.main(argv)
