@@ -57,15 +57,14 @@ def per_hop(picks, labels):
 
 def needle_loss(record, labels):
     """train.py's needle ranking loss of a training forward run under DRT.recording(): needle_rank_loss of each group's
-    Eq. 1 (its ("eq1", q, l) entries, in group order) against its labels (B, G, n) of needle_labels, summed."""
+    Eq. 1 (its ("eq1", q, l) entries, in group order) against its labels (B, G, n) of tasks.needle_labels, summed."""
     eq1 = [r[1:] for r in record if r[0] == "eq1"]
     return sum(needle_rank_loss(q, l, labels[:, g]) for g, (q, l) in enumerate(eq1))
 
 
 def needle_rank_loss(q, l, needles):
-    """Training only (train.py --needle_loss, a departure): the cross-entropy of Eq. 1's scores that each labelled landmark ranks its needle
-    first among the batch's chunks, a pressure that outlasts the answer's loss, which fades once Eq. 3 weighs the
-    needle enough to copy it. q (B, n, C) the landmarks' queries, l (B, n, C) the chunks' landmarks, needles (B, n):
+    """The cross-entropy of Eq. 1's scores that each labelled landmark ranks its needle first among the batch's chunks,
+    a pressure that outlasts the answer's loss, which fades once Eq. 3 weighs the needle enough to copy it. q (B, n, C) the landmarks' queries, l (B, n, C) the chunks' landmarks, needles (B, n):
     the chunk to rank first (< its landmark), -1 for none; a row labels one landmark at most. Rivals: the row's
     chunks before the landmark, and other rows' chunks before their labelled landmark; the needle's neighbours,
     which may hold part of it, are left out in every row."""
