@@ -130,7 +130,7 @@ def skim_margin(cfg):
 def alibi_slopes(n_head):
     """Per-head slopes (Press et al., 2022): 2^(-8/n), 2^(-16/n), ...; for n not a power of two, those of the power
     of two below plus every other one of the next (2^(-8(i+1)/n) for every n keeps fewer steep, local heads: at 6
-    heads, 7-18% higher perplexity on code, NOTES.md)."""
+    heads, 7-18% higher perplexity on code, dev/LOG.md)."""
     def geometric(n):
         return [2 ** (-8 * (i + 1) / n) for i in range(n)]
     p = 2 ** int(math.log2(n_head))

@@ -24,7 +24,7 @@ def teacher_picks(idx, cfg, slots=0):
     that share the most token ids, weighted by idf, with chunk t+1, the chunk that reads them.
     It peeks at the text the read serves, so it exists in training only. Why: a read path fed chunks
     that do not help never learns to copy from them, and Eq. 1 cannot learn to find chunks a read path
-    ignores; handed useful chunks first, GCA learns to use them (NOTES.md has the runs). Eq. 3 still
+    ignores; handed useful chunks first, GCA learns to use them (dev/LOG.md has the runs). Eq. 3 still
     weighs the chunks with the model's scores. -> (B, n, K) chunk ids as Eq. 1's picks, -1 where
     fewer than K are readable (then Eq. 1 picks). slots=n: the n best alone, in the last n slots: Eq. 1 keeps its
     K-n best, the chunks its scores must learn to rank below the teacher's."""

@@ -602,7 +602,7 @@ def test_word_pool(monkeypatch):
 def test_task_validation_names_were_never_trained(monkeypatch):
     """Stage 2's validation rows name words its training rows never do (9-12 letters against 4-8), and no test's,
     so that the validation loss sees names as the tests do (a model that learned the training names one by one
-    scores well on them alone: NOTES.md); training rows draw from the training pool."""
+    scores well on them alone: dev/LOG.md); training rows draw from the training pool."""
     import random
     import types
     import tasks
@@ -951,7 +951,7 @@ def test_teacher_hands_over_the_asked_needle(monkeypatch):
     """config/passkey_finetune.py's teacher: on stage 2's rows (passkey and 2-16-key multi-key, three phrasings),
     the one chunk it hands the landmark that serves the answer is the chunk of the needle asked for, which
     lets the read path learn to copy the key before Eq. 1 can find it. In the filler sentences, as here; in books
-    it is the needle about half the time (NOTES.md, the long-context recipe)."""
+    it is the needle about half the time (dev/LOG.md, the long-context recipe)."""
     import random
     import types
     import tasks

@@ -39,9 +39,9 @@ max_iters = 8000
 # most idf-weighted ids shared with the next chunk: in the filler the needle asked for; in a book about half the
 # time, as the answer's chunk goes on with the book), the other slots Eq. 1's own best. Without it stage 2
 # stalled on 2 runs of 4 (validation loss 0.95, 1.30); with it 11 runs of 12 over five seeds reached a best
-# validation loss of 0.003-0.050 and one 0.386 (NOTES.md); with the teacher in all top-k slots Eq. 1
+# validation loss of 0.003-0.050 and one 0.386 (dev/LOG.md); with the teacher in all top-k slots Eq. 1
 # learned to rank the needle only above the teacher's other picks, and with the answer alone matched (the needle in
-# every book row) one run was no better (NOTES.md).
+# every book row) one run was no better (dev/LOG.md).
 teacher_iters = 3000
 teacher_slots = 1
 # Throughout, a cross-entropy on Eq. 1's scores (teacher.needle_rank_loss, weight 0.1) asks the landmark that serves
@@ -54,5 +54,5 @@ needle_loss = 0.1
 # The token embeddings (and with them the tied output layer) stay as stage 1 left them. Trained, they let Eq. 1 learn
 # the ~12K training names one by one: on rows of 4 keys the needle's margin over the best other chunk was ~4.5 lower
 # for the test's unseen names than for training ones, and the run whose margin fell lowest missed 4 keys at 1M
-# (85%). Frozen, training and unseen names look alike to every layer, and match alike (NOTES.md).
+# (85%). Frozen, training and unseen names look alike to every layer, and match alike (dev/LOG.md).
 train_embeddings = False
