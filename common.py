@@ -360,7 +360,7 @@ def load_checkpoint(path, fix, mmap=False):
     return ckpt
 
 
-# options this version removed (the notes give their results): a checkpoint that used one cannot be run the same
+# options this version removed (dev/LOG.md gives their results): a checkpoint that used one cannot be run the same
 REMOVED = {"ret_dim": 0, "enc_rope": False, "repeat_frac": 0.0}  # each at its off value
 RENAMED = {"pool_retrieval": ("pool_tokens", {"": False, "tokens": True})}  # old key: (new key, old value -> new)
 
@@ -374,13 +374,13 @@ def upgrade(ckpt, path, fix):
         args = ckpt.get(part, {})
         for key, off in REMOVED.items():
             if key in args and args.pop(key) != off:
-                raise CheckpointError(f"{path} was trained with {key}, an option this version removed (the notes "
-                                      f"list it with the last commit that had it): {fix}")
+                raise CheckpointError(f"{path} was trained with {key}, an option this version removed (dev/LOG.md "
+                                      f"lists it with the last commit that had it): {fix}")
         for key, (new, values) in RENAMED.items():
             if key in args:
                 if (old := args.pop(key)) not in values:
                     raise CheckpointError(f"{path} was trained with {key}={old!r}, which this version removed "
-                                          f"(the notes list it with the last commit that had it): {fix}")
+                                          f"(dev/LOG.md lists it with the last commit that had it): {fix}")
                 args[new] = values[old]
         if any(key in args for key in MERGED[0]):
             switches = {key: args.pop(key, paper) for key, paper in MERGED[0].items()}
@@ -388,7 +388,7 @@ def upgrade(ckpt, path, fix):
                 said = ", ".join(f"{k}={v}" for k, v in switches.items())
                 raise CheckpointError(f"{path} was trained with {said}, a mix this version removed: its read path is "
                                       f"the paper's or all four departures of config/code_teacher.py (code_read) (the "
-                                      f"notes list the last commit that had them apart): {fix}")
+                                      f"log, dev/LOG.md, names the last commit that had them apart): {fix}")
             args["code_read"] = switches == MERGED[1]
 
 

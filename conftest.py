@@ -107,7 +107,7 @@ def parse(argv):
 
 
 def start_run(cmd, pid_files=(), timeout=90):
-    """Popen cmd in a session of its own (so a signal can go to the group, as a terminal's Ctrl-C
+    """Popen cmd in a process group of its own (so a signal can go to the group, as a terminal's Ctrl-C
     does), killed after timeout seconds whatever happens, so a hung run cannot hang the tests."""
     proc = subprocess.Popen(cmd, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "6"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -119,7 +119,7 @@ def start_run(cmd, pid_files=(), timeout=90):
 
 
 def end_run(proc):
-    """Kill what is left of proc's session, and of the sessions of torchrun's workers (pid_files)."""
+    """Kill what is left of proc's process group, and of the groups of torchrun's workers (pid_files)."""
     proc.killer.cancel()
     for pid in [proc.pid] + [int(f.read_text()) for f in proc.pid_files if f.exists()]:
         try:

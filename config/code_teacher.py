@@ -14,7 +14,7 @@ learning_rate = 1e-3
 min_lr = 1e-4
 
 # The four departures of the read path, one switch (model.py's DRTConfig): the runs in which GCA first copied on
-# code used them together; with the paper's read path, handed the right chunks, it did not copy (the notes).
+# code used them together; with the paper's read path, handed the right chunks, it did not copy (dev/LOG.md).
 #   no zero sink key in GCA: its heads rested on it and read nothing
 #   chunk-centred memory: otherwise every chunk's keys share one direction and GCA cannot copy
 #   a pick j read as chunk j+1, the text that followed what the query resembles
