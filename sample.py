@@ -167,6 +167,45 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
     sight = window_reach(cfg, exact=True) + 1  # in_reach counts distances below it
     align = None if args.no_align else T
     hops = task == "vartrack"  # the per-group columns: hop h's hit@1 in group h (or the last)
+    print_header(task, args, cfg, kw, depth, haystack, align)
+    for L in lengths:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0, correct, near, picked, hopped = time.time(), 0, 0, [], []
+        for i in range(args.samples):
+            seed = prompt_seed(args.seed, task, L, i)
+            prompt, answer, spans = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
+            state = model.new_state(offload=args.offload)
+            progress = Progress(f"{fmt_len(L)} sample {i + 1}/{args.samples}", len(prompt) - 1)
+            with ctx:
+                out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress,
+                                           [asked for *_, asked in spans])
+            hopped += [hop_hits(spans, picks, T)] if hops else []
+            every, picks = picks, picks[len(prompt) - 2]
+            hit = score(out, answer, enc)
+            correct, near = correct + hit, near + in_reach(prompt, answer, T, sight)
+            if args.show_misses and not hit:
+                print_miss(task, args, kw, seed, L, i, out, answer, enc,
+                           hop_reads(prompt, spans, every, T, enc) if hops else "")
+            if (p := needle_picks(prompt, answer, picks, T)) is not None:
+                picked.append(p)
+            kv = state.store.nbytes()
+            del state  # before the next sample allocates its own memory
+        lo, hi = wilson(correct, args.samples)
+        acc = f"{correct / args.samples:.1%} [{100 * lo:.0f}-{100 * hi:.0f}]"
+        hit1 = retrieved = needle_w = "-"  # no needle that retrieval could pick
+        if n := len(picked):
+            found, top, weight = map(sum, zip(*picked))
+            hit1, retrieved, needle_w = f"{top}/{n}", f"{found}/{n}", f"{weight / n:.2f}"
+        gpu = f"{peak_mem_gib(device):>8.2f}G" if device.type == "cuda" else f"{'-':>9}"
+        per_hop = "".join(f" {count_hits(h):>5}" for h in zip(*hopped)) if hops else ""
+        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {hit1:>7} {retrieved:>9} {needle_w:>8}{per_hop} "
+              f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
+
+
+def print_header(task, args, cfg, kw, depth, haystack, align):
+    """run_task's first lines: what the prompts are, then the table's column names."""
+    hops = task == "vartrack"
     variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
                 f"{args.chains} chains ({args.chains + 1} needles for one retrieval, top-{cfg.topk}), hops "
                 f"{kw['spacing'][0]:,} tokens apart and hop 1 {kw['spacing'][1]:,} before the end, the question asked "
@@ -185,45 +224,17 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
               f"{'needle w':>8}" + (f" {'hop1':>5} {'hop2':>5}" if hops else "") +
               f" {'s/sample':>9} {'peak GPU':>9} {'peak host':>9} {'KV mem':>8}")
     print(header + "\n" + "-" * len(header), flush=True)
-    for L in lengths:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t0, correct, near, picked, hopped = time.time(), 0, 0, [], []
-        for i in range(args.samples):
-            seed = prompt_seed(args.seed, task, L, i)
-            prompt, answer, spans = make_example(task, L, random.Random(seed), enc, haystack, align=align, **kw)
-            state = model.new_state(offload=args.offload)
-            progress = Progress(f"{fmt_len(L)} sample {i + 1}/{args.samples}", len(prompt) - 1)
-            with ctx:
-                out, picks = answer_prompt(model, prompt, len(answer) + SCORE_AFTER, state, args.segment, progress,
-                                           [asked for *_, asked in spans])
-            hopped += [hop_hits(spans, picks, T)] if hops else []
-            every, picks = picks, picks[len(prompt) - 2]
-            hit = score(out, answer, enc)
-            correct, near = correct + hit, near + in_reach(prompt, answer, T, sight)
-            if args.show_misses and not hit:
-                got, want = enc.decode(out).strip(), enc.decode(answer).strip()
-                rng = random.Random(seed)  # make_example drew the needles first: draw them again
-                needles = needles_and_question(task, rng, kw["names"], args.keys, args.template, args.digits,
-                                               args.chains)[0]
-                owner = key_owner(needles, re.match(r"\d*", got).group(), want)
-                print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
-                      + (f" (another needle's key: {owner}'s)" if owner else "")
-                      + (hop_reads(prompt, spans, every, T, enc) if hops else ""), flush=True)
-            if (p := needle_picks(prompt, answer, picks, T)) is not None:
-                picked.append(p)
-            kv = state.store.nbytes()
-            del state  # before the next sample allocates its own memory
-        lo, hi = wilson(correct, args.samples)
-        acc = f"{correct / args.samples:.1%} [{100 * lo:.0f}-{100 * hi:.0f}]"
-        hit1 = retrieved = needle_w = "-"  # no needle that retrieval could pick
-        if n := len(picked):
-            found, top, weight = map(sum, zip(*picked))
-            hit1, retrieved, needle_w = f"{top}/{n}", f"{found}/{n}", f"{weight / n:.2f}"
-        gpu = f"{peak_mem_gib(device):>8.2f}G" if device.type == "cuda" else f"{'-':>9}"
-        per_hop = "".join(f" {count_hits(h):>5}" for h in zip(*hopped)) if hops else ""
-        print(f"{fmt_len(L):>8} {args.samples:>7} {acc:>17} {near:>8} {hit1:>7} {retrieved:>9} {needle_w:>8}{per_hop} "
-              f"{(time.time() - t0) / args.samples:>9.2f} {gpu} {peak_mem_gib():>8.2f}G {kv / 2**30:>7.2f}G", flush=True)
+
+
+def print_miss(task, args, kw, seed, L, i, out, answer, enc, reads):
+    """--show_misses' line for a wrong answer: what was wanted, what came, whose key it is if another needle's, and
+    reads (2-hop: what each hop's group weighed most)."""
+    got, want = enc.decode(out).strip(), enc.decode(answer).strip()
+    rng = random.Random(seed)  # make_example drew the needles first: draw them again
+    needles = needles_and_question(task, rng, kw["names"], args.keys, args.template, args.digits, args.chains)[0]
+    owner = key_owner(needles, re.match(r"\d*", got).group(), want)
+    print(f"  miss at {fmt_len(L)}, sample {i + 1}: wanted {want!r}, got {got!r}"
+          + (f" (another needle's key: {owner}'s)" if owner else "") + reads, flush=True)
 
 
 def hop_reads(prompt, spans, picks, T, enc):
