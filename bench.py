@@ -328,7 +328,8 @@ def device_defaults(args, dev):
             setattr(args, name, full if gpu else toy)
 
 
-def main(argv=None):
+def parse_args(argv):
+    """bench.py's arguments, each checked (a bad one is a one-line error before anything runs) -> (args, device)."""
     p = argparse.ArgumentParser(description="DRT benchmarks (CUDA): pass --kernel, --train, --long, or several.",
                                 formatter_class=Help)
     p.add_argument("--kernel", action="store_true", help="FlashGCA vs the PyTorch reference GCA: time, TFLOP/s, memory")
@@ -350,6 +351,11 @@ def main(argv=None):
     p.add_argument("--offload", action="store_true", help="--long: chunk keys/values in pinned host memory")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of --train/--long at toy sizes")
     args = p.parse_args(argv)
+    return args, check_args(p, args)
+
+
+def check_args(p, args):
+    """Refuse what cannot run, through p.error; fill the device's defaults; args.model becomes a dict -> the device."""
     if not (args.kernel or args.train or args.long):
         p.error("nothing to do: pass --kernel, --train, --long, or several")
     try:
@@ -395,6 +401,11 @@ def main(argv=None):
     if dev.type == "cuda":  # "cuda" below (inputs, memory stats) is this GPU; plain "cuda" has no index
         dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(dev)
+    return dev
+
+
+def main(argv=None):
+    args, dev = parse_args(argv)
     print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}", flush=True)
     ok = bench_kernel(args) if args.kernel else True
     if args.train:
