@@ -222,21 +222,13 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
         if not min_depth <= at <= n_fill:
             raise ValueError(f"length {length} is too short for a {task} prompt with its key {past} tokens "
                              f"before the end")
-    draw = lambda n, lo, hi: sorted(rng.randrange(lo, hi + 1) for _ in range(n))  # noqa: E731  n cuts, in order
-    gap, far = spacing
-    if len(hops) < 2 or not (gap or far):  # one hop: spacing has nothing to part
-        cuts = draw(len(needles), min_depth, n_fill if past is None else at)
-    elif at is not None:
+    if at is not None and len(hops) > 1 and any(spacing):
         raise ValueError("spacing places two hops, whose needles keep their order: not with depth or past")
-    else:  # hop 1's needle k ("VAR Y = X.") follows hop 2's: it ends far before the prompt's end, gap after hop 2
-        k = max(hops)
-        last = min(n_fill, n_fill + sum(map(len, needles[k + 1 :])) + len(question) + n_pad - far)  # k's latest cut
-        if last - gap < min_depth:
-            raise ValueError(f"length {length} is too short for a {task} prompt whose hops lie {gap} tokens apart "
-                             f"and {far} before its end")
-        cuts = draw(k + 1, min_depth, last - gap)
-        cuts[k] += gap
-        cuts += draw(len(needles) - k - 1, cuts[k], n_fill)
+    cuts = hop_cuts(rng, needles, hops, min_depth, n_fill if past is None else at, n_fill, len(question) + n_pad,
+                    spacing)
+    if cuts is None:
+        raise ValueError(f"length {length} is too short for a {task} prompt whose hops lie {spacing[0]} tokens apart "
+                         f"and {spacing[1]} before its end")
     if at is not None:
         cuts[ask] = at
     order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask))  # the asked one last at a tie
@@ -255,6 +247,23 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
     if lead:
         asked[0] = len(prompt) - len(question) - n_pad + split - 1  # "?", a chunk or more ahead
     return prompt, answer, [(starts[i], starts[i] + len(needles[i]), a) for i, a in zip(hops, asked)]
+
+
+def hop_cuts(rng, needles, hops, lo, hi, n_fill, tail, spacing):
+    """Where make_example cuts its filler for the needles (token arrays, in order), each in [lo, hi], sorted. Two hops
+    with spacing (gap, far): hop 1's needle k ("VAR Y = X.", after hop 2's) ends far tokens before the prompt's end
+    (tail tokens follow the n_fill of filler) and gap after hop 2's; None where that cannot be."""
+    draw = lambda n, a, b: sorted(rng.randrange(a, b + 1) for _ in range(n))  # noqa: E731  n cuts, in order
+    gap, far = spacing
+    if len(hops) < 2 or not (gap or far):  # one hop: spacing has nothing to part
+        return draw(len(needles), lo, hi)
+    k = max(hops)
+    last = min(n_fill, n_fill + sum(map(len, needles[k + 1 :])) + tail - far)  # k's latest cut
+    if last - gap < lo:
+        return None
+    cuts = draw(k + 1, lo, last - gap)
+    cuts[k] += gap
+    return cuts + draw(len(needles) - k - 1, cuts[k], n_fill)
 
 
 def min_length(task, seed, enc, align=None, **kw):
