@@ -224,8 +224,7 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
                              f"before the end")
     if at is not None and len(hops) > 1 and any(spacing):
         raise ValueError("spacing places two hops, whose needles keep their order: not with depth or past")
-    cuts = hop_cuts(rng, needles, hops, min_depth, n_fill if past is None else at, n_fill, len(question) + n_pad,
-                    spacing)
+    cuts = hop_cuts(rng, needles, hops, min_depth, n_fill if past is None else at, len(question) + n_pad, spacing)
     if cuts is None:
         raise ValueError(f"length {length} is too short for a {task} prompt whose hops lie {spacing[0]} tokens apart "
                          f"and {spacing[1]} before its end")
@@ -249,21 +248,21 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
     return prompt, answer, [(starts[i], starts[i] + len(needles[i]), a) for i, a in zip(hops, asked)]
 
 
-def hop_cuts(rng, needles, hops, lo, hi, n_fill, tail, spacing):
+def hop_cuts(rng, needles, hops, lo, hi, tail, spacing):
     """Where make_example cuts its filler for the needles (token arrays, in order), each in [lo, hi], sorted. Two hops
-    with spacing (gap, far): hop 1's needle k ("VAR Y = X.", after hop 2's) ends far tokens before the prompt's end
-    (tail tokens follow the n_fill of filler) and gap after hop 2's; None where that cannot be."""
+    with spacing (gap, far; hi then the filler's end): hop 1's needle k ("VAR Y = X.", after hop 2's) ends far tokens
+    before the prompt's end (tail tokens follow the filler) and gap after hop 2's; None where that cannot be."""
     draw = lambda n, a, b: sorted(rng.randrange(a, b + 1) for _ in range(n))  # noqa: E731  n cuts, in order
     gap, far = spacing
     if len(hops) < 2 or not (gap or far):  # one hop: spacing has nothing to part
         return draw(len(needles), lo, hi)
     k = max(hops)
-    last = min(n_fill, n_fill + sum(map(len, needles[k + 1 :])) + tail - far)  # k's latest cut
+    last = min(hi, hi + sum(map(len, needles[k + 1 :])) + tail - far)  # k's latest cut
     if last - gap < lo:
         return None
     cuts = draw(k + 1, lo, last - gap)
     cuts[k] += gap
-    return cuts + draw(len(needles) - k - 1, cuts[k], n_fill)
+    return cuts + draw(len(needles) - k - 1, cuts[k], hi)
 
 
 def min_length(task, seed, enc, align=None, **kw):
@@ -293,8 +292,8 @@ def get_batch(tasks, batch_size, seq_len, rng, enc, haystack=None, haystack_frac
     The answer is followed by ANSWER_END, as the key is in its needle. y is the next token at the
     answer's and ANSWER_END's positions alone (-1 elsewhere): the model has learned text and copying
     in stage 1. names: multi-key's; keys (lo, hi): its needle count, drawn per row; templates: one
-    drawn per row; chains (lo, hi): vartrack's, drawn per row; spacing: its hops' (make_example). hop1: in a 2-hop row, the
-    middle token of the first hop's needle and the last token of the chunk whose landmark must fetch it (-1:
+    drawn per row; chains (lo, hi): vartrack's, drawn per row; spacing: its hops' (make_example). hop1: in a
+    2-hop row, the middle token of the first hop's needle and the token whose chunk's landmark must fetch it (-1:
     one hop). A choice of one draws nothing from rng."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     x = torch.empty(batch_size, seq_len, dtype=torch.long)
