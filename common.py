@@ -551,7 +551,7 @@ def retrieval_stats(records, K):
     """DRT's record [("picks", chunk ids (n,), idx, w (B, n, K)), ("gca", q, k_mem, v_mem, idx, w) or its compact
     ("sink", share, sum w)] -> means over landmarks with an earlier chunk of sum w, max w, entropy of w / sum w
     (log K: uniform) and distance in chunks, and GCA's attention on the landmark slot weighted by w
-    (sink_share); {} with no retrieval."""
+    (sink_share), over all reads and per read (of one whole-row forward: per upper layer); {} with no retrieval."""
     import torch
     sums, maxes, ents, dists, sinks = [], [], [], [], []
     for kind, *r in compact(records):
@@ -573,6 +573,7 @@ def retrieval_stats(records, K):
     weight = sum(s[1] for s in sinks)
     if sinks and weight > 0:
         stats["sink"] = (sum(s[0] for s in sinks) / weight).item()
+        stats["sink_reads"] = [(s / w).item() if w > 0 else float("nan") for s, w in sinks]  # each GCA read's
     return stats
 
 

@@ -833,8 +833,8 @@ def test_ddp_rank_dies(tmp_path):
 
 def test_train_reports_retrieval_health(tmp_path, capsys):
     """Each evaluation line of a DRT run carries sum w, max w and GCA's sink share (a dying retriever,
-    or GCA reading nothing, shows there): those of the first validation micro-batch, as common.retrieval_stats
-    gives them for the saved model; the baseline's line has none."""
+    or GCA reading nothing, shows there), with two upper layers each one's too: those of the first validation
+    micro-batch, as common.retrieval_stats gives them for the saved model; the baseline's line has none."""
     import types
 
     import common
@@ -849,6 +849,15 @@ def test_train_reports_retrieval_health(tmp_path, capsys):
         model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)))
     stats = common.retrieval_stats(record, c.topk)
     assert re.search(health, lines[-1]).groups() == (f"{stats['sum_w']:.3f}", f"{stats['max_w']:.3f}", f"{stats['sink']:.2f}")
+    train.main(tiny_args(tmp_path, "two", "--max_iters=3", "--groups=1,1"))  # two upper layers: each one's share too
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval iter")][-1]
+    ckpt = load_ckpt(tmp_path / "two")
+    c, model = types.SimpleNamespace(**ckpt["config"]), common.build_model(ckpt, "cpu")
+    with torch.no_grad(), model.recording() as record:
+        model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)))
+    stats = common.retrieval_stats(record, c.topk)
+    assert len(stats["sink_reads"]) == 2 and min(stats["sink_reads"]) <= stats["sink"] <= max(stats["sink_reads"])
+    assert line.endswith(f"sink {stats['sink']:.2f} ({stats['sink_reads'][0]:.2f} {stats['sink_reads'][1]:.2f} by upper layer)")
     train.main(tiny_args(tmp_path, "nosink", "--max_iters=3", "--code_read=True"))  # the slot is a key like the others
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
     assert len(lines) == 2 and all(re.search(health.replace("sink", "landmark slot"), x) for x in lines)
