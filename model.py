@@ -110,11 +110,6 @@ def window_reach(cfg, exact=False):
     return (cfg.n_lower + sum(cfg.groups)) * (cfg.window - 1 if exact else cfg.window)
 
 
-def read_shift(cfg):
-    """GCA reads chunk j + read_shift(cfg) for a pick j: the pick itself (the paper), or under code_read the next."""
-    return int(cfg.code_read)
-
-
 def skim_margin(cfg):
     """Positions before an output beyond which no upper-layer state reaches it (DRT.skim): the windows' reach and,
     per group, the two chunks back to the landmark whose picks a chunk reads."""
@@ -228,8 +223,7 @@ class ChunkEncoder(nn.Module):
             h = block(h)
         h = h.view(B, n, S, C)
         l = self.ln_f(h[:, :, -1])  # (B, n, C) the landmark's state
-        if self.code_read:  # departure: drop the part a chunk's states share, which RMSNorm would keep while shrinking the rest
-            h = h - h[:, :, :-1].mean(2, keepdim=True)
+        h = centred(h) if self.code_read else h  # departure (the block at the end)
         kv = self.kv_mem(self.ln_f(h)).unflatten(-1, (2, self.n_head, C // self.n_head))  # (B, n, S, 2, H, D)
         if not self.code_read:  # the landmark slot's key/value zero: a logit-0 sink for queries that match nothing
             kv = kv.masked_fill(torch.arange(S, device=kv.device).view(-1, 1, 1, 1) == S - 1, 0)  # (S, 1, 1, 1)
@@ -294,19 +288,6 @@ def retrieval_weights(q, picked, eligible, cfg):
     r = (upcast(q).unsqueeze(2) * upcast(picked)).sum(-1) / math.sqrt(q.size(-1))  # (B, n, K) Eq. 1, fp32
     w = softmax_off_by_one(r.masked_fill(~eligible, float("-inf")), cfg.softmax_off_by_one)
     return w * (cfg.retriever != "none")
-
-
-def pooled_eq1(e, ln_f, state=None):
-    """code_read's Eq. 1 (a departure): e (B, n, S, C), the embeddings of the next n finished chunks -> their keys
-    l = ln_f(mean text embedding) and their queries, each mean minus the mean over the chunks so far, itself included
-    (else their shared part ranks the same chunks for all), (B, n, C) each; a stream's running sum waits in state."""
-    m = e[:, :, :-1].mean(2)  # (B, n, C)
-    total, count = (state.pool_total, state.pool_count) if state else (None, 0)
-    run = upcast(m).cumsum(1) + (0 if total is None else total[:, None])  # (B, n, C) sums over chunks 0..t
-    if state:
-        state.pool_total, state.pool_count = run[:, -1].detach(), count + m.size(1)
-    cnt = count + torch.arange(1, m.size(1) + 1, device=m.device, dtype=run.dtype)  # (n,)
-    return ln_f(m), upcast(m) - run / cnt[:, None]
 
 
 def read_one_chunk_later(carried, made, n_chunks):
@@ -591,7 +572,7 @@ class DRT(nn.Module):
         if not n:
             return (state.store if state else None), None
         kv, l = self.encoder(x[:, : n * S].unflatten(1, (n, S)))  # (B, n, S, 2, H, D), (B, n, C)
-        if cfg.code_read:  # departure: Eq. 1 between mean token embeddings, on both sides
+        if cfg.code_read:  # departure (the block at the end): Eq. 1 between mean token embeddings, on both sides
             l, pooled = pooled_eq1(e[:, : n * S].unflatten(1, (n, S)), self.encoder.ln_f, state)
         if not state:
             return RowMemory(kv, l), pooled
@@ -615,8 +596,7 @@ class DRT(nn.Module):
             if isinstance(memory, RowMemory):
                 self.record.append(("eq1", q, memory.l))
             self.record.append(("picks", chunk_ids, idx, w.detach()))
-        if cfg.code_read:  # departure: chunk j+1 <= t, finished, and earlier than chunk t+1 that reads it
-            idx = (idx + 1).minimum(chunk_ids[None, :, None])
+        idx = read_next(idx, chunk_ids) if cfg.code_read else idx  # departure (the block at the end): j read as j+1
         return idx, w
 
     def logits_and_loss(self, x, offset, T, targets, stream):
@@ -747,3 +727,34 @@ class StreamState:
         self.prefetched = [None] * len(cfg.groups)  # per group: picks[g]'s keys/values, gathered to the device
         self.pool_total, self.pool_count = None, 0  # code_read: (B, C) sum of the finished chunks' means, their number
 
+
+# -----------------------------------------------------------------------------
+# Departures: code_read's read path (DRTConfig), called where it differs from the paper's; no sink: ChunkEncoder's.
+
+
+def centred(h):
+    """GCA's memory h (B, n, S, C) less what a chunk's text states share, which RMSNorm would keep, shrinking the rest."""
+    return h - h[:, :, :-1].mean(2, keepdim=True)
+
+
+def pooled_eq1(e, ln_f, state=None):
+    """code_read's Eq. 1: e (B, n, S, C), the next n finished chunks' embeddings -> keys ln_f(mean text embedding) and
+    queries: the mean less the mean of the chunks so far (else what all share ranks the same chunks for all), (B, n, C)
+    each; a stream's running sum waits in state."""
+    m = e[:, :, :-1].mean(2)  # (B, n, C)
+    total, count = (state.pool_total, state.pool_count) if state else (None, 0)
+    run = upcast(m).cumsum(1) + (0 if total is None else total[:, None])  # (B, n, C) sums over chunks 0..t
+    if state:
+        state.pool_total, state.pool_count = run[:, -1].detach(), count + m.size(1)
+    cnt = count + torch.arange(1, m.size(1) + 1, device=m.device, dtype=run.dtype)  # (n,)
+    return ln_f(m), upcast(m) - run / cnt[:, None]
+
+
+def read_next(idx, chunk_ids):
+    """Picks j (B, n, K) of chunks chunk_ids' (n,) landmarks -> j+1, finished, and earlier than the chunk t+1 reading it."""
+    return (idx + 1).minimum(chunk_ids[None, :, None])
+
+
+def read_shift(cfg):
+    """GCA reads chunk j + read_shift(cfg) for a pick j: the pick itself (the paper), or under code_read the next."""
+    return int(cfg.code_read)
