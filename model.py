@@ -12,7 +12,7 @@ which carry the next-token loss back to the retriever ("causal retrieval"). Atte
 constant (window + k*S), so the model runs at any length.
 
 Sections in the order of §3: config -> ALiBi and window attention -> chunks and their encoder ->
-retrieval -> GCA -> blocks -> the model, one pipeline (DRT.run) for training and streaming -> streams.
+retrieval -> GCA -> blocks -> the model (DRT.run: training and streaming) -> streams -> code_read's departures.
 Fused forms of the same functions: fused.py (the window through FlexAttention, the loss without the
 logits) and gca_kernel.py (GCA in Triton), each behind the plain form written here.
 
