@@ -238,17 +238,18 @@ def print_miss(task, args, kw, seed, L, i, out, answer, enc, reads):
 
 
 def hop_reads(prompt, spans, picks, T, enc):
-    """What each hop's group weighed most at its landmark, as the assignments in that chunk (or 'text')."""
+    """What each group weighed most at each hop's landmark, as the assignments in that chunk (or 'text'). Hop h's
+    needle should be group h's at hop h's landmark; group 1 holding hop 1 only at hop 2's landmark fetched it too late
+    for group 2 to read it."""
     said = []
     for h, (*_, asked) in enumerate(spans):
-        groups = picks[asked]
-        if groups:
-            g = min(h, len(groups) - 1)
-            idx, w = groups[g]
-            chunk = enc.decode(prompt[int(idx[w.argmax()]) * T :][:T].tolist())
-            sets = "; ".join(re.findall(r"VAR \w+ = \w+", chunk)) or "text"
-            said.append(f"group {g + 1} for hop {h + 1}: {sets}")
-    return "; " + ", ".join(said) if said else ""
+        reads = []
+        for g, (idx, w) in enumerate(picks[asked]):
+            sets = re.findall(r"VAR \w+ = \w+", enc.decode(prompt[int(idx[w.argmax()]) * T :][:T].tolist()))
+            reads.append(f"group {g + 1} {' + '.join(sets) or 'text'}")
+        if reads:
+            said.append(f"hop {h + 1}'s landmark: " + ", ".join(reads))
+    return "; " + " | ".join(said) if said else ""
 
 
 def count_hits(hits):
@@ -324,7 +325,8 @@ def arg_parser():
                       help="test prompts per length and test")
     test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old
     test.add_argument("--unseen_names", action="store_true", help="multi-key names that no training prompt holds")
-    test.add_argument("--show_misses", action="store_true", help="print each wrong answer beside the right one")
+    test.add_argument("--show_misses", action="store_true",
+                      help="print each wrong answer beside the right one (2-hop: and what each group read at each hop)")
     test.add_argument("--keys", type=int, default=4, help="multi-key: needles in each prompt (2-16)")
     test.add_argument("--depth", default=None, help="where the asked needle lies: fractions of the filler "
                       "(0.1,0.5,0.9: a table each), or 'reach': just past the windows' reach (None: random)")

@@ -381,8 +381,9 @@ def test_hop_hits_per_group():
 
 
 def test_show_misses_names_what_each_hop_read(monkeypatch):
-    """--show_misses on 2-hop: for each hop, the assignments in the chunk its group weighed most (or 'text'),
-    so a miss tells a second hop that fetched the first again from one that fetched nothing."""
+    """--show_misses on 2-hop: at each hop's landmark, the assignments in the chunk each group weighed most (or
+    'text'), so a miss tells a second hop that fetched the first again, or a first hop fetched a landmark late, from
+    one that fetched nothing."""
     import random
 
     import sample
@@ -395,9 +396,10 @@ def test_show_misses_names_what_each_hop_read(monkeypatch):
     P = lambda j: (torch.tensor([j, 0]), torch.tensor([0.6, 0.1]))  # noqa: E731  chunk j weighed most
     text_chunk = next(j for j in range(a2 // T) if "VAR" not in enc.decode(prompt[j * T : (j + 1) * T].tolist()))
     said = sample.hop_reads(prompt, spans, {a1: [P(s1 // T), P(0)], a2: [P(s1 // T), P(text_chunk)]}, T, enc)
-    assert said == f"; group 1 for hop 1: {hop1}, group 2 for hop 2: text", said
+    assert said == (f"; hop 1's landmark: group 1 {hop1}, group 2 text"
+                    f" | hop 2's landmark: group 1 {hop1}, group 2 text"), said
     said = sample.hop_reads(prompt, spans, {a1: [P(s2 // T)], a2: [P(s1 // T)]}, T, enc)  # one group: both hops
-    assert said == f"; group 1 for hop 1: {hop2}, group 1 for hop 2: {hop1}", said
+    assert said == f"; hop 1's landmark: group 1 {hop2} | hop 2's landmark: group 1 {hop1}", said
 
 
 def test_wilson_interval():
