@@ -838,26 +838,24 @@ def test_train_reports_retrieval_health(tmp_path, capsys):
     import types
 
     import common
-    train.main(tiny_args(tmp_path, "drt", "--max_iters=3"))
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
+
+    def run(name, *extra):  # -> the run's evaluation lines, and retrieval_stats of its saved model (the last line's)
+        train.main(tiny_args(tmp_path, name, "--max_iters=3", *extra))
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
+        ckpt = load_ckpt(tmp_path / name)
+        c, model = types.SimpleNamespace(**ckpt["config"]), common.build_model(ckpt, "cpu")
+        with torch.no_grad(), model.recording() as record:
+            model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)))
+        return lines, common.retrieval_stats(record, c.topk)
+
+    lines, stats = run("drt")
     health = r"\| retrieval: sum w ([01]\.\d{3}), max w ([01]\.\d{3}), sink ([01]\.\d\d)$"
     assert len(lines) == 2 and all(re.search(health, x) for x in lines)
-    ckpt = load_ckpt(tmp_path / "drt")  # the model of the last line
-    c = types.SimpleNamespace(**ckpt["config"])
-    model = common.build_model(ckpt, "cpu")
-    with torch.no_grad(), model.recording() as record:
-        model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)))
-    stats = common.retrieval_stats(record, c.topk)
     assert re.search(health, lines[-1]).groups() == (f"{stats['sum_w']:.3f}", f"{stats['max_w']:.3f}", f"{stats['sink']:.2f}")
-    train.main(tiny_args(tmp_path, "two", "--max_iters=3", "--groups=1,1"))  # two upper layers: each one's share too
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval iter")][-1]
-    ckpt = load_ckpt(tmp_path / "two")
-    c, model = types.SimpleNamespace(**ckpt["config"]), common.build_model(ckpt, "cpu")
-    with torch.no_grad(), model.recording() as record:
-        model(*train.Data(c, torch.device("cpu")).batch("val", train.step_rng(c.seed, "val", "eval", 0)))
-    stats = common.retrieval_stats(record, c.topk)
+    lines, stats = run("two", "--groups=1,1")  # two upper layers: each one's share too
     assert len(stats["sink_reads"]) == 2 and min(stats["sink_reads"]) <= stats["sink"] <= max(stats["sink_reads"])
-    assert line.endswith(f"sink {stats['sink']:.2f} ({stats['sink_reads'][0]:.2f} {stats['sink_reads'][1]:.2f} by upper layer)")
+    assert lines[-1].endswith(f"sink {stats['sink']:.2f} ({stats['sink_reads'][0]:.2f} {stats['sink_reads'][1]:.2f} "
+                              f"by upper layer)")
     train.main(tiny_args(tmp_path, "nosink", "--max_iters=3", "--code_read=True"))  # the slot is a key like the others
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval iter")]
     assert len(lines) == 2 and all(re.search(health.replace("sink", "landmark slot"), x) for x in lines)

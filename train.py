@@ -307,12 +307,12 @@ def evaluate(r):
     c, t_eval, r.evaluated = r.c, time.time(), r.iter_num
     losses, ret = estimate_loss(r.eval_model, r.raw_model, r.data, c, r.autocast)
     ppl = {k: math.exp(min(v, 700)) for k, v in losses.items()}  # a diverged run is reported, not a crash
+    each = ret.get("sink_reads", [])  # per upper layer: a group whose GCA learned to read nothing shows here
     log(f"eval iter {r.iter_num}: train loss {losses['train']:.4f} (ppl {ppl['train']:.2f}), "
         f"val loss {losses['val']:.4f} (ppl {ppl['val']:.2f})"
         + (f" | retrieval: sum w {ret['sum_w']:.3f}, max w {ret['max_w']:.3f}" if ret else "")
         + (f", {sink_label(r.raw_model.config)} {ret['sink']:.2f}" if "sink" in ret else "")
-        + (f" ({' '.join(f'{s:.2f}' for s in ret['sink_reads'])} by upper layer)" if len(ret.get("sink_reads", ())) > 1
-           else ""))  # a group whose GCA learned to read nothing shows here
+        + (f" ({' '.join(f'{s:.2f}' for s in each)} by upper layer)" if len(each) > 1 else ""))
     improved, r.best_val_loss = losses["val"] < r.best_val_loss, min(r.best_val_loss, losses["val"])
     if r.iter_num > r.start and (improved or c.always_save_checkpoint or r.iter_num == r.last):
         r.saved = save(r, losses["val"])  # the last step too: out_dir must end up holding this run
