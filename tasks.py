@@ -423,8 +423,9 @@ def needle_labels(x, y, T, groups=1, hop1=None):
     """For needle_rank_loss, from training rows x, y (B, L) and hop1 (B, 2) of get_batch: (B, groups, L // T) int64,
     at the landmark that should fetch a needle the chunk that holds it (where it lies before the landmark: one in
     the window's chunk needs no retrieval), -1 elsewhere. One hop: the asked key, at the landmark that serves the
-    answer (chunk p // T - 1, p the answer's first position), in every group. Two: hop h in group h (where there is
-    one), each at its own landmark: "VAR Y = X." a chunk ahead in group 1, the key in group 2."""
+    answer (chunk p // T - 1, p the answer's first position), in group 1 alone. Two: hop h in group h (where there is
+    one), each at its own landmark: "VAR Y = X." a chunk ahead in group 1, the key in group 2. Group 2 is never asked to
+    fetch by the name in the question, which in a 2-hop prompt is Y's and would fetch "VAR Y = X." again."""
     labels = np.full((x.size(0), groups, x.size(1) // T), -1, dtype=np.int64)
     hop1 = np.full((x.size(0), 2), -1) if hop1 is None else hop1.numpy()
     for b, (xb, yb) in enumerate(zip(x.numpy(), y.numpy())):  # numpy: this runs every step, beside the GPU's
@@ -435,7 +436,7 @@ def needle_labels(x, y, T, groups=1, hop1=None):
         need, t = needle_chunk(xb[:p], answer, T), p // T - 1
         hops = [(need, t)] if hop1[b, 0] < 0 else [(hop1[b, 0] // T, hop1[b, 1] // T), (need, t)]
         for g in range(groups):
-            need, t = hops[0] if len(hops) == 1 else hops[g] if g < len(hops) else (None, 0)
+            need, t = hops[g] if g < len(hops) else (None, 0)
             if need is not None and 0 <= need < t < labels.shape[2]:
                 labels[b, g, t] = need
     return torch.from_numpy(labels)

@@ -1008,6 +1008,39 @@ def test_needle_labels_point_at_the_asked_key(monkeypatch):
     assert (labels >= 0).sum() >= 0.75 * x.size(0)
 
 
+def test_needle_labels_of_two_groups(monkeypatch):
+    """tasks.needle_labels on config/twohop.py's rows with two groups: a one-hop row labels group 1 alone, at the
+    landmark that serves the answer; a 2-hop row labels group 1 at the landmark after "?" with the chunk of
+    "VAR Y = X." and group 2 at the one that serves the answer with the chunk of "VAR X = <answer>."."""
+    import random
+    import types
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    files = [os.path.join(HERE, "config", f) for f in ("passkey_pretrain.py", "passkey_finetune.py", "twohop.py")]
+    c, _ = parse(files + ["--task_haystack=", "--batch_size=32", "--groups=(1,1)"])
+    T, rows = c["chunk_size"] - 1, tasks.TaskRows(types.SimpleNamespace(**c))
+    x, y, hop1 = rows.batch("train", random.Random(2), True)
+    labels = tasks.needle_labels(x, y, T, 2, hop1)  # (B, G, n)
+    assert labels.shape == (x.size(0), 2, x.size(1) // T)
+    two = 0
+    for b in range(x.size(0)):
+        p = int((y[b] >= 0).nonzero()[0, 0])
+        text, answer = enc.decode(x[b, :p].tolist()), enc.decode(y[b, y[b] >= 0].tolist()[:-1])
+        got = [(labels[b, g] >= 0).nonzero().flatten().tolist() for g in range(2)]
+        if "VAR" not in text:
+            assert got[1] == [] and got[0] in ([], [p // T - 1]), (b, got)
+            continue
+        two += 1
+        asked = re.search(r"What is the value of VAR (\w+)\?", text)[1]
+        ask = next(i for i in range(p) if enc.decode(x[b, :i + 1].tolist()).endswith(f"VAR {asked}?"))
+        assert got == [[ask // T], [p // T - 1]], (b, got)
+        chunk = lambda t: enc.decode(x[b, t * T:(t + 2) * T].tolist())  # noqa: E731  a needle may cross into the next
+        hop1 = re.search(rf"VAR {asked} = (\w+)\.", text)[1]
+        assert f"VAR {asked} = {hop1}." in chunk(int(labels[b, 0, ask // T]))
+        assert f"VAR {hop1} ={answer}." in chunk(int(labels[b, 1, p // T - 1]))
+    assert 8 <= two <= 24  # half the rows 2-hop
+
+
 def test_needle_rank_loss_against_a_loop():
     """teacher.needle_rank_loss: the mean over labelled landmarks of -log softmax of Eq. 1's scores at the needle, over
     the row's earlier chunks but the needle's neighbours and the other rows' chunks before their own landmark, off
