@@ -200,6 +200,7 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
     hops' needles lie gap tokens apart at least, hop 1's ends far tokens before the prompt's end (hop_spacing; one
     hop: ignored)."""
     needles, question, answer, hops = needles_and_question(task, rng, names, keys, template, digits, chains)
+    pairs = chain_pairs(needles) if len(hops) > 1 else []
     needles = [np.array(enc.encode_ordinary(t), dtype=np.int64) for t in needles]
     question, answer = np.array(enc.encode_ordinary(question), dtype=np.int64), enc.encode_ordinary(answer)
     ask = hops[-1]  # the needle holding the answer
@@ -224,13 +225,14 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
                              f"before the end")
     if at is not None and len(hops) > 1 and any(spacing):
         raise ValueError("spacing places two hops, whose needles keep their order: not with depth or past")
-    cuts = hop_cuts(rng, needles, hops, min_depth, n_fill if past is None else at, len(question) + n_pad, spacing)
+    cuts = hop_cuts(rng, needles, pairs, min_depth, n_fill if past is None else at, len(question) + n_pad, spacing)
     if cuts is None:
         raise ValueError(f"length {length} is too short for a {task} prompt whose hops lie {spacing[0]} tokens apart "
                          f"and {spacing[1]} before its end")
     if at is not None:
         cuts[ask] = at
-    order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask))  # the asked one last at a tie
+    spaced = bool(pairs and any(spacing))  # chains laid out alike: ties keep the needles' random order
+    order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask and not spaced))  # else the asked one last
     starts, n = {}, 0
     for i in order:
         starts[i] = cuts[i] + n
@@ -248,21 +250,32 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
     return prompt, answer, [(starts[i], starts[i] + len(needles[i]), a) for i, a in zip(hops, asked)]
 
 
-def hop_cuts(rng, needles, hops, lo, hi, tail, spacing):
-    """Where make_example cuts its filler for the needles (token arrays, in order), each in [lo, hi], sorted. Two hops
-    with spacing (gap, far; hi then the filler's end): hop 1's needle k ("VAR Y = X.", after hop 2's) ends far tokens
-    before the prompt's end (tail tokens follow the filler) and gap after hop 2's; None where that cannot be."""
+def chain_pairs(needles):
+    """vartrack's needle texts -> each chain's (index of "VAR X = 12345.", index of "VAR Y = X.")."""
+    sets = [re.match(r" VAR (\w+) = (\w+)\.", t).groups() for t in needles]
+    first = {name: i for i, (name, value) in enumerate(sets) if value.isdigit()}
+    return [(first[value], i) for i, (name, value) in enumerate(sets) if not value.isdigit()]
+
+
+def hop_cuts(rng, needles, pairs, lo, hi, tail, spacing):
+    """Where make_example cuts its filler for the needles (token arrays, in order), each in [lo, hi]: sorted draws, so
+    each 2-hop chain is assigned before it is copied. With spacing (gap, far; hi then the filler's end) and 2-hop
+    chains (pairs: chain_pairs), every chain is laid out as the asked one must be: its needles gap tokens apart at
+    least, "VAR Y = X." ending far tokens before the prompt's end (tail tokens follow the filler). So where a needle
+    stands tells nothing of which chain is asked; laid out alone, the asked chain's needles stood apart from the
+    others', and models found both hops by that (dev/LOG.md). None where that cannot be."""
     draw = lambda n, a, b: sorted(rng.randrange(a, b + 1) for _ in range(n))  # noqa: E731  n cuts, in order
     gap, far = spacing
-    if len(hops) < 2 or not (gap or far):  # one hop: spacing has nothing to part
+    if not pairs or not (gap or far):  # one hop: spacing has nothing to part
         return draw(len(needles), lo, hi)
-    k = max(hops)
-    last = min(hi, hi + sum(map(len, needles[k + 1 :])) + tail - far)  # k's latest cut
+    gap, last = max(gap, 1), min(hi, hi + tail - far)  # "VAR Y = X." ends far before the end with no needle after it
     if last - gap < lo:
         return None
-    cuts = draw(k + 1, lo, last - gap)
-    cuts[k] += gap
-    return cuts + draw(len(needles) - k - 1, cuts[k], hi)
+    cuts = [0] * len(needles)
+    for number, copy in pairs:
+        two, one = draw(2, lo, last - gap)  # a pair uniform over the allowed ones
+        cuts[number], cuts[copy] = two, one + gap
+    return cuts
 
 
 def min_length(task, seed, enc, align=None, **kw):

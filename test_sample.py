@@ -89,6 +89,35 @@ def test_vartrack_needs_two_hops(monkeypatch):
     assert 0 < first < 20  # the asked chain comes first or not
 
 
+def test_vartrack_hops_stand_like_the_other_chains(monkeypatch):
+    """With spacing every chain is laid out as the asked one, so where a needle stands does not tell the asked chain.
+    On training rows (1,003 tokens, hops 128 apart and hop 1 384 before the end, 6 chains) hop 2 is as likely to be
+    the 1st to 6th "VAR X = 12345." and hop 1 the 1st to 6th "VAR Y = X.", and another needle starts within 128
+    tokens before hop 1 as often as before the other copies. (Laid out alone, the asked chain stood apart: hop 2 in
+    the first chunk with a needle, no needle in the stretch before hop 1; models found both hops by that.)"""
+    import random
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    rng, gap, n = random.Random(0), 128, 120
+    ranks, crowded = [], {True: [], False: []}
+    var = enc.encode_ordinary(" VAR")
+    for _ in range(n):
+        prompt, _, hops = tasks.make_example("vartrack", 1003, rng, enc, min_depth=256, align=63, chains=6,
+                                             spacing=(gap, 384))
+        ids = prompt.tolist()
+        starts = [j for j in range(len(ids)) if ids[j:j + len(var)] == var and "=" in enc.decode(ids[j:j + 12])]
+        copies = [s for s in starts if re.match(r" VAR \w+ = [A-Z]", enc.decode(ids[s:s + 12]))]
+        numbers = [s for s in starts if re.match(r" VAR \w+ = \d", enc.decode(ids[s:s + 12]))]
+        assert len(copies) == len(numbers) == 6
+        ranks.append((copies.index(hops[0][0]), numbers.index(hops[1][0])))
+        for s in copies:
+            crowded[s == hops[0][0]].append(any(0 < s - o <= gap for o in starts))
+    assert np.all(np.abs(np.mean(ranks, 0) - 2.5) < 0.6), np.mean(ranks, 0)  # uniform over 0..5: 2.5 +- 0.16
+    hop1, others = np.mean(crowded[True]), np.mean(crowded[False])
+    assert others > 0.5 and abs(hop1 - others) < 0.15, (hop1, others)
+
+
 def test_vartrack_asks_a_chunk_ahead(monkeypatch):
     """Aligned 2-hop prompts ask "What is the value of VAR Y?" so that "?" closes a chunk, and "The value of VAR Y"
     ends the next, " is" opening the answer's: the landmark that must fetch hop 1 has read the question, a landmark

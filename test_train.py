@@ -1034,7 +1034,7 @@ def test_needle_labels_of_two_groups(monkeypatch):
         asked = re.search(r"What is the value of VAR (\w+)\?", text)[1]
         ask = next(i for i in range(p) if enc.decode(x[b, :i + 1].tolist()).endswith(f"VAR {asked}?"))
         assert got == [[ask // T], [p // T - 1]], (b, got)
-        chunk = lambda t: enc.decode(x[b, t * T:(t + 2) * T].tolist())  # noqa: E731  a needle may cross into the next
+        chunk = lambda t: enc.decode(x[b, max(t - 1, 0) * T:(t + 2) * T].tolist())  # noqa: E731  a needle may cross
         hop1 = re.search(rf"VAR {asked} = (\w+)\.", text)[1]
         assert f"VAR {asked} = {hop1}." in chunk(int(labels[b, 0, ask // T]))
         assert f"VAR {hop1} ={answer}." in chunk(int(labels[b, 1, p // T - 1]))
