@@ -207,8 +207,8 @@ def print_header(task, args, cfg, kw, depth, haystack, align):
     """run_task's first lines: what the prompts are, then the table's column names."""
     hops = task == "vartrack"
     variants = {f"{args.keys} keys": task == "multikey", f"template {args.template}": args.template != "key",
-                f"{args.chains} chains ({args.chains + 1} needles for one retrieval, top-{cfg.topk}), hops "
-                f"{kw['spacing'][0]:,} tokens apart and hop 1 {kw['spacing'][1]:,} before the end, the question asked "
+                f"{args.chains} chains ({args.chains + 1} needles for one retrieval, top-{cfg.topk}), each chain's needles "
+                f"{kw['spacing'][0]:,} tokens apart and its copy {kw['spacing'][1]:,} before the end, the question asked "
                 f"{'in one piece' if args.no_lead else 'a chunk ahead'}"
                 f"; hop h's hit@1 in group {'h' if len(cfg.groups) > 1 else '1'}": hops,
                 f"{args.digits}-digit numbers": args.digits != 5,

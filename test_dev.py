@@ -1,6 +1,6 @@
 """
 Tests of the scripts in dev/: the side-by-side runner, on commands that finish, fail, save on SIGTERM or ignore it;
-the golden check, which must find a value that changed.
+the golden check, which must find a value that changed; the 2-hop probe's ranks.
 """
 
 import os
@@ -10,6 +10,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dev"))
+import hops  # noqa: E402
 import side_by_side  # noqa: E402
 
 SAVES_ON_TERM = (f'{sys.executable} -c "import signal, sys, time; '
@@ -61,3 +62,23 @@ def test_golden_saves_checks_and_finds_a_change(tmp_path):
     torch.save(values, file)
     bad = subprocess.run(golden + ["--check", file, "--parts=a"], capture_output=True, text=True)
     assert bad.returncode == 1 and f"{key}: 1 of {values[key].numel()} differ" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_hops_ranks_each_hop_and_runs(tmp_path, monkeypatch, capsys):
+    """dev/hops.py: a hop's rank counts the chunks scoring above its own, its next chunk (which may hold part of the
+    needle) no rival; the margin is over the best rival. It runs on a 2-group checkpoint, one row per length and
+    filler, and refuses --hand on one group."""
+    import torch
+    from conftest import tiny_checkpoint, tokenizer_or_skip
+
+    assert hops.rank_and_margin(torch.tensor([1.0, 5.0, 3.0, 9.0, 2.0]), 1) == (1, -4.0)
+    assert hops.rank_and_margin(torch.tensor([1.0, 5.0, 9.0, 3.0]), 1) == (0, 2.0)
+    tokenizer_or_skip(monkeypatch)
+    two = tiny_checkpoint(tmp_path / "two.pt", groups=(1, 1))
+    hops.main([f"--out_dir={two}", "--lengths=1008", "--samples=2", "--haystack=", "--hand=filler"])
+    rows = capsys.readouterr().out.splitlines()
+    assert "group 1 reading filler at hop 1's landmark" in rows[0]
+    assert len(rows) == 3 and rows[2].split()[:2] == ["1008", "sentences"] and rows[2].count("/2") == 2
+    with pytest.raises(SystemExit):
+        hops.main([f"--out_dir={tiny_checkpoint(tmp_path / 'one.pt')}", "--haystack=", "--hand=hop1"])
+    assert "--hand needs two groups" in capsys.readouterr().err

@@ -539,7 +539,7 @@ def test_sample_generate_and_harness(tmp_path, monkeypatch, capsys):
     rows = [line for line in out.splitlines()
             if re.match(r"\s+(1K|2K)\s+2\s+\d+\.\d% \[\d+-\d+\]\s+\d\s+(\d/\d|-)\s+(\d/\d|-)\s", line)]
     assert len(rows) == 4, out  # two lengths x two tasks
-    assert "2 chains (3 needles for one retrieval, top-2), hops 256 tokens apart and hop 1 " in out
+    assert "2 chains (3 needles for one retrieval, top-2), each chain's needles 256 tokens apart and its copy " in out
     hop_rows = [line.split()[8:10] for line in rows if len(line.split()) == 14]  # vartrack's: hop1, hop2 columns
     assert len(hop_rows) == 2 and all(re.fullmatch(r"\d/\d|-", h) for row in hop_rows for h in row), out
 

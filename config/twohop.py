@@ -4,14 +4,16 @@
 #   python train.py config/passkey_finetune.py config/twohop.py
 #   python sample.py --out_dir=out-twohop --vartrack --passkey --multikey --lengths=4K,64K,1M --haystack=data/pg19/test.bin
 # Half the rows ask "What is the value of VAR Y?" among 2-8 chains "VAR X = 12345." ... "VAR Y = X."
-# (tasks.py), placed so that the row needs both hops (tasks.hop_spacing: hop 1 beyond the windows' reach of the
-# answer, the hops in chunks apart). The question closes a chunk a chunk ahead of the answer's: at its landmark
-# group 1 fetches "VAR Y = X."; the next chunk reads it, so group 2's query at the landmark serving the answer knows
-# X and can fetch "VAR X = 12345." (model.py's DRT.run; the paper's layout, with the question in the last chunk
-# alone, leaves group 2 no chunk to read group 1's find in). The needle ranking loss names each hop in its
-# group, at its landmark (tasks.needle_labels); the teacher's chunks are those of config/passkey_finetune.py,
-# which for these rows are the two hops at their two landmarks, each handed to its own group (teacher.per_hop).
-# Not yet reliable: one run of three passes (the README's 2-hop table; dev/LOG.md).
+# (tasks.py), each chain placed so that the asked one needs both hops (tasks.hop_spacing: "VAR Y = X." beyond the
+# windows' reach of the answer, the two needles chunks apart), all alike, so that only the names tell the asked
+# chain (placed alone, it stood apart, and models found both hops by where they stood: dev/LOG.md). The question
+# closes a chunk a chunk ahead of the answer's: at its landmark group 1 fetches "VAR Y = X."; the next chunk reads
+# it, so group 2's query at the landmark serving the answer knows X and can fetch "VAR X = 12345." (model.py's
+# DRT.run; the paper's layout, with the question in the last chunk alone, leaves group 2 no chunk to read group 1's
+# find in). The needle ranking loss names each hop in its group, at its landmark, and a one-hop row's needle in
+# group 1 alone (tasks.needle_labels); the teacher's chunks are those of config/passkey_finetune.py, which for these
+# rows are the two hops at their two landmarks, each handed to its own group (teacher.per_hop).
+# Not yet reliable: 3 runs of 10 passed, all on the old layout (the README's 2-hop table; dev/LOG.md).
 out_dir = "out-twohop"
 init_from = "out-pre2"
 dataset = "passkey,multikey,vartrack,vartrack"  # half the rows 2-hop
