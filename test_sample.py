@@ -118,6 +118,28 @@ def test_vartrack_hops_stand_like_the_other_chains(monkeypatch):
     assert others > 0.5 and abs(hop1 - others) < 0.15, (hop1, others)
 
 
+def test_vartrack_test_prompts_take_two_retrievals(monkeypatch):
+    """hop_spacing's test layout, for the long-context recipe's shape: hop 1 ("VAR Y = X.") ends beyond what the lower
+    windows and group 1's carry to the answer's landmark, and its chunk begins beyond the lower windows' reach of hop
+    2, so its memory cannot hold the number: one retrieval cannot answer. Training rows (test=False) keep the first
+    but not the second (1,008 tokens leave no room: dev/LOG.md)."""
+    import random
+    from types import SimpleNamespace
+
+    import tasks
+    enc = tokenizer_or_skip(monkeypatch)
+    cfg = SimpleNamespace(n_lower=2, window=128, chunk_size=64)
+    gap, far = tasks.hop_spacing(cfg)
+    assert far == 3 * 128 and gap > 2 * 128 + 63
+    rng, T = random.Random(3), cfg.chunk_size - 1
+    for length in (4096, 8192):
+        for _ in range(10):
+            prompt, _, ((start1, end1, _), (_, end2, _)) = tasks.make_example(
+                "vartrack", length, rng, enc, align=T, spacing=(gap, far))
+            assert len(prompt) - end1 >= far and start1 // T * T - end2 >= cfg.n_lower * cfg.window
+    assert tasks.hop_spacing(cfg, test=False) == (128, far)
+
+
 def test_vartrack_asks_a_chunk_ahead(monkeypatch):
     """Aligned 2-hop prompts ask "What is the value of VAR Y?" so that "?" closes a chunk, and "The value of VAR Y"
     ends the next, " is" opening the answer's: the landmark that must fetch hop 1 has read the question, a landmark

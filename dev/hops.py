@@ -1,7 +1,9 @@
 """
 Where a 2-hop model finds each hop, on prompts laid out as training lays them: for each hop, how often its group's
 Eq. 1 ranks the hop's chunk first among the earlier chunks at the landmark that should fetch it, and by what margin
-over the best other chunk (its next chunk, which may hold part of the needle, left out as in the ranking loss).
+over the best other chunk (its next chunk, which may hold part of the needle, left out as in the ranking loss); and
+of the layout, among how many chunks holding needles of its kind each hop is told, and how often hop 1's chunk lies
+within the lower layers' reach of hop 2 (its memory may then hold the number: one retrieval may do).
 Against sample.py's test, this isolates retrieval from the answer, at training lengths as at test ones, and tells
 whether the name or the layout finds a hop: a model that ranks hop 1 first at the training length and not at twice
 it, or not under another layout, found it by where it stands.
@@ -14,6 +16,7 @@ Prints one row per length and filler (the repeated sentences, or books from --ha
 import argparse
 import os
 import random
+import re
 import sys
 
 import numpy as np
@@ -53,6 +56,16 @@ def probe(model, prompt, hops, T, hand="none"):
     return out
 
 
+def layout(prompt, hops, T, reach, enc):
+    """How many chunks hold a "VAR Y = X." and how many a "VAR X = 12345." (the candidates each hop is told among), and
+    whether the first token of hop 1's chunk lies within the lower layers' reach of hop 2's needle: then the memory of
+    hop 1's chunk may already hold the number, and one retrieval may do."""
+    chunks = [enc.decode(prompt[j * T : (j + 1) * T].tolist()) for j in range(len(prompt) // T)]
+    (start1, _, _), (_, end2, _) = hops
+    return [sum(bool(re.search(rf"VAR \w+ = {v}", c)) for c in chunks) for v in ("[A-Z]", r"\d")] + [
+        start1 // T * T - end2 < reach]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--out_dir", required=True, help="a 2-hop model's folder (its ckpt.pt)")
@@ -60,6 +73,7 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=16, help="prompts per length and filler")
     p.add_argument("--chains", type=int, default=tasks.CHAINS)
     p.add_argument("--spacing", default="train", help="'train' or 'test' (tasks.hop_spacing), or GAP,FAR in tokens")
+    p.add_argument("--min_depth", type=int, default=256, help="no needle before this token (stage 2's task_min_depth)")
     p.add_argument("--haystack", default="data/pg19/test.bin", help="books for half the rows ('' for none)")
     p.add_argument("--hand", default="none", choices=("none", "hop1", "filler"), help="what group 1 reads at hop 1's "
                    "landmark: Eq. 1's picks, hop 1's chunk alone, or filler alone (does group 2 follow group 1?)")
@@ -77,18 +91,21 @@ def main(argv=None):
     print(f"{args.out_dir}: hops {spacing[0]} tokens apart, hop 1 {spacing[1]} before the end, {args.chains} chains, "
           f"group 1 reading {args.hand if args.hand != 'none' else 'its picks'} at hop 1's landmark; "
           f"'first': Eq. 1 ranks the hop's chunk first at its landmark; margin: its score over the best other's")
-    print(f"{'length':>7} {'filler':>9} {'hop1 first':>10} {'margin':>7} {'hop2 first':>10} {'margin':>7}")
+    print(f"{'length':>7} {'filler':>9} {'hop1 first':>10} {'margin':>7} {'hop2 first':>10} {'margin':>7} "
+          f"{'chunks with copies, numbers':>27} {'hop 1 sees hop 2':>16}")
     for length in (int(v) for v in args.lengths.split(",")):
         for name, haystack in fillers:
-            rng, got = random.Random(args.seed), []
+            rng, got, held = random.Random(args.seed), [], []
             for _ in range(args.samples):
-                prompt, _, hops = tasks.make_example("vartrack", length, rng, enc, haystack, 256, T, chains=args.chains,
-                                                     spacing=spacing)
+                prompt, _, hops = tasks.make_example("vartrack", length, rng, enc, haystack, args.min_depth, T,
+                                                     chains=args.chains, spacing=spacing)
                 got.append(probe(model, prompt, hops, T, args.hand))
+                held.append(layout(prompt, hops, T, cfg.n_lower * cfg.window, enc))
             got = np.array(got)  # (samples, 2 hops, (rank, margin))
             cells = [f"{int((got[:, h, 0] == 0).sum()):>5}/{args.samples:<4} {np.median(got[:, h, 1]):>7.1f}"
                      for h in range(2)]
-            print(f"{length:>7} {name:>9} {cells[0]} {cells[1]}")
+            copies, numbers, sees = np.mean(held, 0)
+            print(f"{length:>7} {name:>9} {cells[0]} {cells[1]} {copies:>20.1f}, {numbers:<5.1f} {sees:>16.0%}")
 
 
 if __name__ == "__main__":
