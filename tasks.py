@@ -231,8 +231,7 @@ def make_example(task, length, rng, enc, haystack=None, min_depth=0, align=None,
                          f"and {spacing[1]} before its end")
     if at is not None:
         cuts[ask] = at
-    spaced = bool(pairs and any(spacing))  # chains laid out alike: ties keep the needles' random order
-    order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask and not spaced))  # else the asked one last
+    order = sorted(range(len(needles)), key=lambda i: (cuts[i], i == ask and at is not None))  # placed: last at a tie
     starts, n = {}, 0
     for i in order:
         starts[i] = cuts[i] + n
