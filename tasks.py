@@ -348,18 +348,28 @@ class TaskRows:
         self.names = {"train": word_pool(self.enc), "val": word_pool(self.enc, (9, 12))}  # val's: never trained
         self.keys, self.templates = parse_range(c.task_keys, 2, 16), tuple(c.task_templates.split(","))
         self.chains = parse_range(c.task_chains, 2, 16)  # 2-hop's
-        self.spacing = hop_spacing(c, test=False)  # each 2-hop row needs both hops, as a test prompt does
         try:
             self.haystack = Haystack(c.task_haystack, self.enc) if c.task_haystack else None
         except (OSError, ValueError) as e:
             raise ValueError(f"task_haystack: {e}") from None
+        # each 2-hop row is laid out as a test prompt (hop_spacing) where it has room, else with the hops 2 chunks apart
+        self.spacing = hop_spacing(c)
+        if "vartrack" in self.tasks and not self.fits(["vartrack"]):
+            self.spacing = hop_spacing(c, test=False)
+        if not self.fits(self.tasks):
+            raise ValueError(f"{self.fits(self.tasks, why=True)}: raise --block_size or lower --task_min_depth")
+
+    def fits(self, tasks, why=False):
+        """Whether the longest prompts of tasks fit a row (why: the ValueError's text where not)."""
+        c = self.c
         try:
-            for task, template, i in itertools.product(self.tasks, self.templates, range(8)):
+            for task, template, i in itertools.product(tasks, self.templates, range(8)):
                 make_example(task, c.block_size + 1 - MAX_ANSWER, random.Random(i), self.enc,
                              min_depth=c.task_min_depth, align=self.align, names=self.names["train"], keys=self.keys[1],
                              template=template, chains=self.chains[1], spacing=self.spacing)
         except ValueError as e:
-            raise ValueError(f"{e}: raise --block_size or lower --task_min_depth") from None
+            return str(e) if why else False
+        return True
 
     def batch(self, split, rng, training):
         """x, y (B, T) and hop1 (B, 2) on the CPU: get_batch with the run's keys; multi-key's names from the split's

@@ -67,7 +67,8 @@ def test_golden_saves_checks_and_finds_a_change(tmp_path):
 def test_hops_ranks_each_hop_and_runs(tmp_path, monkeypatch, capsys):
     """dev/hops.py: a hop's rank counts the chunks scoring above its own, its next chunk (which may hold part of the
     needle) no rival; the margin is over the best rival. It runs on a 2-group checkpoint, one row per length and
-    filler, and refuses --hand on one group."""
+    filler (its hops' ranks and the answer as read, without group 2, without group 1 at the answer), and refuses --hand
+    on one group."""
     import torch
     from conftest import tiny_checkpoint, tokenizer_or_skip
 
@@ -78,7 +79,7 @@ def test_hops_ranks_each_hop_and_runs(tmp_path, monkeypatch, capsys):
     hops.main([f"--out_dir={two}", "--lengths=1008", "--samples=2", "--haystack=", "--hand=filler"])
     rows = capsys.readouterr().out.splitlines()
     assert "group 1 reading filler at hop 1's landmark" in rows[0]
-    assert len(rows) == 3 and rows[2].split()[:2] == ["1008", "sentences"] and rows[2].count("/2") == 2
+    assert len(rows) == 3 and rows[2].split()[:2] == ["1008", "sentences"] and rows[2].count("/2") == 5  # 2 hops, 3 answer columns
     with pytest.raises(SystemExit):
         hops.main([f"--out_dir={tiny_checkpoint(tmp_path / 'one.pt')}", "--haystack=", "--hand=hop1"])
     assert "--hand needs two groups" in capsys.readouterr().err

@@ -3,7 +3,9 @@ Where a 2-hop model finds each hop, on prompts laid out as training lays them: f
 Eq. 1 ranks the hop's chunk first among the earlier chunks at the landmark that should fetch it, and by what margin
 over the best other chunk (its next chunk, which may hold part of the needle, left out as in the ranking loss); and
 of the layout, among how many chunks holding needles of its kind each hop is told, and how often hop 1's chunk lies
-within the lower layers' reach of hop 2 (its memory may then hold the number: one retrieval may do).
+within the lower layers' reach of hop 2 (its memory may then hold the number: one retrieval may do); and which group
+brings the answer: how often it is right as the model reads, with group 2 handed filler, and with group 1 handed filler
+at the answer's landmark.
 Against sample.py's test, this isolates retrieval from the answer, at training lengths as at test ones, and tells
 whether the name or the layout finds a hop: a model that ranks hop 1 first at the training length and not at twice
 it, or not under another layout, found it by where it stands.
@@ -56,6 +58,26 @@ def probe(model, prompt, hops, T, hand="none"):
     return out
 
 
+def answers(model, prompt, answer, hops, T):
+    """Which group brings the answer: whether every answer token is the argmax (teacher-forced) as the model reads,
+    with group 2 handed filler (chunk 0) at every landmark, and with group 1 handed filler at the landmark serving
+    the answer. A model that needs both hops loses the answer in both; one that answers without group 2 took one
+    retrieval (through group 1's pick at the answer's landmark, whose memory may hold the number)."""
+    dev = next(model.parameters()).device
+    x = torch.as_tensor(list(prompt) + list(answer[:-1]), device=dev)[None]
+    out = []
+    for knock in (None, "group 2", "group 1 at the answer"):
+        picks = torch.full((1, 2, x.size(1) // T, model.config.topk), -1, device=dev)
+        if knock == "group 2":
+            picks[0, 1, 1:] = 0
+        elif knock:
+            picks[0, 0, hops[-1][2] // T] = 0
+        with torch.no_grad():
+            logits, _ = model(x, picks=picks if knock else None)
+        out.append(logits[0, -len(answer):].argmax(-1).tolist() == list(answer))
+    return out
+
+
 def layout(prompt, hops, T, reach, enc):
     """How many chunks hold a "VAR Y = X." and how many a "VAR X = 12345." (the candidates each hop is told among), and
     whether the first token of hop 1's chunk lies within the lower layers' reach of hop 2's needle: then the memory of
@@ -92,20 +114,24 @@ def main(argv=None):
           f"group 1 reading {args.hand if args.hand != 'none' else 'its picks'} at hop 1's landmark; "
           f"'first': Eq. 1 ranks the hop's chunk first at its landmark; margin: its score over the best other's")
     print(f"{'length':>7} {'filler':>9} {'hop1 first':>10} {'margin':>7} {'hop2 first':>10} {'margin':>7} "
-          f"{'chunks with copies, numbers':>27} {'hop 1 sees hop 2':>16}")
+          f"{'chunks with copies, numbers':>27} {'hop 1 sees hop 2':>16} {'answer':>6} {'without g2':>10} "
+          f"{'without g1 at answer':>20}")
     for length in (int(v) for v in args.lengths.split(",")):
         for name, haystack in fillers:
-            rng, got, held = random.Random(args.seed), [], []
+            rng, got, held, said = random.Random(args.seed), [], [], []
             for _ in range(args.samples):
-                prompt, _, hops = tasks.make_example("vartrack", length, rng, enc, haystack, args.min_depth, T,
-                                                     chains=args.chains, spacing=spacing)
+                prompt, answer, hops = tasks.make_example("vartrack", length, rng, enc, haystack, args.min_depth, T,
+                                                          chains=args.chains, spacing=spacing)
                 got.append(probe(model, prompt, hops, T, args.hand))
                 held.append(layout(prompt, hops, T, cfg.n_lower * cfg.window, enc))
+                said.append(answers(model, prompt, answer, hops, T) if len(cfg.groups) > 1 else [False] * 3)
             got = np.array(got)  # (samples, 2 hops, (rank, margin))
             cells = [f"{int((got[:, h, 0] == 0).sum()):>5}/{args.samples:<4} {np.median(got[:, h, 1]):>7.1f}"
                      for h in range(2)]
             copies, numbers, sees = np.mean(held, 0)
-            print(f"{length:>7} {name:>9} {cells[0]} {cells[1]} {copies:>20.1f}, {numbers:<5.1f} {sees:>16.0%}")
+            right = [f"{n:>{w}}/{args.samples:<3}" for n, w in zip(np.sum(said, 0), (2, 6, 16))]
+            print(f"{length:>7} {name:>9} {cells[0]} {cells[1]} {copies:>20.1f}, {numbers:<5.1f} {sees:>16.0%} "
+                  f"{' '.join(right)}")
 
 
 if __name__ == "__main__":
