@@ -1008,6 +1008,23 @@ def test_needle_labels_point_at_the_asked_key(monkeypatch):
     assert (labels >= 0).sum() >= 0.75 * x.size(0)
 
 
+def test_twohop_rows_are_laid_out_as_tests(monkeypatch):
+    """config/twohop.py's rows have room for the test's 2-hop layout (tasks.hop_spacing: hop 1's chunk beyond the lower
+    windows' reach of hop 2), and take it; rows without room (1,008 tokens) lay the hops 2 chunks apart instead, and
+    rows too short for either are refused."""
+    import types
+    import tasks
+    tokenizer_or_skip(monkeypatch)
+    files = [os.path.join(HERE, "config", f) for f in ("passkey_pretrain.py", "passkey_finetune.py", "twohop.py")]
+    for block, test in ((None, True), (1008, False)):
+        c, _ = parse(files + ["--task_haystack=", "--groups=(1,1)"] + ([f"--block_size={block}"] if block else []))
+        cfg = types.SimpleNamespace(**c)
+        assert tasks.TaskRows(cfg).spacing == tasks.hop_spacing(cfg, test=test), block
+    c, _ = parse(files + ["--task_haystack=", "--groups=(1,1)", "--block_size=504"])
+    with pytest.raises(ValueError, match="raise --block_size"):
+        tasks.TaskRows(types.SimpleNamespace(**c))
+
+
 def test_needle_labels_of_two_groups(monkeypatch):
     """tasks.needle_labels on config/twohop.py's rows with two groups: a one-hop row labels group 1 alone, at the
     landmark that serves the answer; a 2-hop row labels group 1 at the landmark after "?" with the chunk of
