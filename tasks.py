@@ -471,7 +471,8 @@ def hop_spacing(cfg, test=True):
     that query only through group 1's read. gap: the hops' fewest tokens apart; in a test n_lower x W + 2 chunks, more
     than a chunk's memory sees back through the lower windows, so no chunk holds both; in training (test=False) 2
     chunks, as far as a row of 16 chunks allows with hop 1 far: no chunk or its neighbour holds both, but hop 1's
-    chunk lies within the lower windows' reach of hop 2, so its memory may carry the number (dev/hops.py)."""
+    chunk lies within the lower windows' reach of hop 2, so its memory may carry the number and one retrieval may
+    answer (dev/hops.py). TaskRows takes the test layout wherever its rows have room (config/twohop.py's do)."""
     return (cfg.n_lower * cfg.window if test else 0) + 2 * cfg.chunk_size, (cfg.n_lower + 1) * cfg.window
 
 
