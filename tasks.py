@@ -354,13 +354,13 @@ class TaskRows:
             raise ValueError(f"task_haystack: {e}") from None
         # each 2-hop row is laid out as a test prompt (hop_spacing) where it has room, else with the hops 2 chunks apart
         self.spacing = hop_spacing(c)
-        if "vartrack" in self.tasks and not self.fits(["vartrack"]):
+        if "vartrack" in self.tasks and self.misfit(["vartrack"]):
             self.spacing = hop_spacing(c, test=False)
-        if not self.fits(self.tasks):
-            raise ValueError(f"{self.fits(self.tasks, why=True)}: raise --block_size or lower --task_min_depth")
+        if why := self.misfit(self.tasks):
+            raise ValueError(f"{why}: raise --block_size or lower --task_min_depth")
 
-    def fits(self, tasks, why=False):
-        """Whether the longest prompts of tasks fit a row (why: the ValueError's text where not)."""
+    def misfit(self, tasks):
+        """Why the longest prompts of tasks do not fit a row (make_example's ValueError), None where they do."""
         c = self.c
         try:
             for task, template, i in itertools.product(tasks, self.templates, range(8)):
@@ -368,8 +368,8 @@ class TaskRows:
                              min_depth=c.task_min_depth, align=self.align, names=self.names["train"], keys=self.keys[1],
                              template=template, chains=self.chains[1], spacing=self.spacing)
         except ValueError as e:
-            return str(e) if why else False
-        return True
+            return str(e)
+        return None
 
     def batch(self, split, rng, training):
         """x, y (B, T) and hop1 (B, 2) on the CPU: get_batch with the run's keys; multi-key's names from the split's

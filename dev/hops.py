@@ -67,7 +67,7 @@ def answers(model, prompt, answer, hops, T):
     x = torch.as_tensor(list(prompt) + list(answer[:-1]), device=dev)[None]
     out = []
     for knock in (None, "group 2", "group 1 at the answer"):
-        picks = torch.full((1, 2, x.size(1) // T, model.config.topk), -1, device=dev)
+        picks = torch.full((1, len(model.config.groups), x.size(1) // T, model.config.topk), -1, device=dev)
         if knock == "group 2":
             picks[0, 1, 1:] = 0
         elif knock:
@@ -124,12 +124,14 @@ def main(argv=None):
                                                           chains=args.chains, spacing=spacing)
                 got.append(probe(model, prompt, hops, T, args.hand))
                 held.append(layout(prompt, hops, T, cfg.n_lower * cfg.window, enc))
-                said.append(answers(model, prompt, answer, hops, T) if len(cfg.groups) > 1 else [False] * 3)
+                if len(cfg.groups) > 1:  # one group has none to hand filler to
+                    said.append(answers(model, prompt, answer, hops, T))
             got = np.array(got)  # (samples, 2 hops, (rank, margin))
             cells = [f"{int((got[:, h, 0] == 0).sum()):>5}/{args.samples:<4} {np.median(got[:, h, 1]):>7.1f}"
                      for h in range(2)]
             copies, numbers, sees = np.mean(held, 0)
-            right = [f"{n:>{w}}/{args.samples:<3}" for n, w in zip(np.sum(said, 0), (2, 6, 16))]
+            right = [f"{n:>{w}}/{args.samples:<3}" if said else f"{'-':>{w + 4}}"
+                     for n, w in zip(np.sum(said, 0) if said else (0, 0, 0), (2, 6, 16))]
             print(f"{length:>7} {name:>9} {cells[0]} {cells[1]} {copies:>20.1f}, {numbers:<5.1f} {sees:>16.0%} "
                   f"{' '.join(right)}")
 
