@@ -30,7 +30,8 @@ from common import (Progress, as_batch, build_model, fmt_len, get_tokenizer, loa
                     peak_mem_gib, prefill, read_checkpoint, retrieval_modes, shared_args, shared_problems)
 from model import skim_margin, window_reach
 from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, in_reach, key_owner, make_example
-from tasks import CHAINS, hop_hits, hop_spacing, min_length, needle_picks, needles_and_question, score, wilson
+from tasks import CHAINS, hop_hits, hop_spacing, min_length, needle_chunk, needle_picks, needles_and_question, score
+from tasks import wilson
 
 # -----------------------------------------------------------------------------
 # Generation: a prompt, model.generate (the checkpoint: common.read_checkpoint, common.build_model)
@@ -185,8 +186,8 @@ def run_task(model, enc, task, lengths, args, ctx, haystack=None, depth=None):
             hit = score(out, answer, enc)
             correct, near = correct + hit, near + in_reach(prompt, answer, T, sight)
             if args.show_misses and not hit:
-                print_miss(task, args, kw, seed, L, i, out, answer, enc,
-                           hop_reads(prompt, spans, every, T, enc) if hops else "")
+                reads = hop_reads(prompt, spans, every, T, enc) if hops else needle_reads(prompt, answer, picks, T)
+                print_miss(task, args, kw, seed, L, i, out, answer, enc, reads)
             if (p := needle_picks(prompt, answer, picks, T)) is not None:
                 picked.append(p)
             kv = state.store.nbytes()
@@ -228,7 +229,7 @@ def print_header(task, args, cfg, kw, depth, haystack, align):
 
 def print_miss(task, args, kw, seed, L, i, out, answer, enc, reads):
     """--show_misses' line for a wrong answer: what was wanted, what came, whose key it is if another needle's, and
-    reads (2-hop: what each hop's group weighed most)."""
+    reads (2-hop: what each hop's group weighed most; one hop: where each group ranked the needle)."""
     got, want = enc.decode(out).strip(), enc.decode(answer).strip()
     rng = random.Random(seed)  # make_example drew the needles first: draw them again
     needles = needles_and_question(task, rng, kw["names"], args.keys, args.template, args.digits, args.chains)[0]
@@ -250,6 +251,21 @@ def hop_reads(prompt, spans, picks, T, enc):
         if reads:
             said.append(f"hop {h + 1}'s landmark: " + ", ".join(reads))
     return "; " + " | ".join(said) if said else ""
+
+
+def needle_reads(prompt, answer, picks, T):
+    """One hop: where each group ranked the needle's chunk (or the next, whose memory saw it) among its picks at the
+    landmark serving the answer, with its weight; a miss with the needle ranked first is a copy, not a retrieval."""
+    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
+    if not picks or need is None or need >= last - 1:  # nothing picked, or in the last two chunks: no retrieval
+        return ""
+    said = []
+    for g, (idx, w) in enumerate(picks):
+        order = w.argsort(descending=True)
+        on = [r for r, j in enumerate(idx[order].tolist()) if j in (need, need + 1) and w[order[r]] > 0]
+        weight = float(sum(w[order[r]] for r in on))
+        said.append(f"group {g + 1} " + (f"ranked it {on[0] + 1} of {len(idx)}, w {weight:.3f}" if on else "left it"))
+    return "; the needle's chunk: " + ", ".join(said)
 
 
 def count_hits(hits):
@@ -326,7 +342,8 @@ def arg_parser():
     test.add_argument("--samples", type=int, dest="samples", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old
     test.add_argument("--unseen_names", action="store_true", help="multi-key names that no training prompt holds")
     test.add_argument("--show_misses", action="store_true",
-                      help="print each wrong answer beside the right one (2-hop: and what each group read at each hop)")
+                      help="print each wrong answer beside the right one, and where each group ranked the needle "
+                      "(2-hop: what each group read at each hop)")
     test.add_argument("--keys", type=int, default=4, help="multi-key: needles in each prompt (2-16)")
     test.add_argument("--depth", default=None, help="where the asked needle lies: fractions of the filler "
                       "(0.1,0.5,0.9: a table each), or 'reach': just past the windows' reach (None: random)")

@@ -415,6 +415,24 @@ def test_needle_picks_hit_at_1():
         assert tasks.needle_picks(prompt, answer, picks, T)[:2] == (found, top), picks
 
 
+def test_needle_reads_ranks_the_needle_per_group():
+    """--show_misses on one hop: each group's rank of the needle's chunk (its own or the next) among its picks, by
+    weight, and their weight; a chunk picked with weight 0 is left; no line where retrieval had no part."""
+    import sample
+    T, answer = 4, [5, 6]
+    prompt = [9] * 40
+    prompt[13:15] = answer  # the needle's chunk: 14 // 4 = 3
+    P = lambda idx, w: (torch.tensor(idx), torch.tensor(w))  # noqa: E731
+    said = sample.needle_reads(prompt, answer, [P([7, 4, 3], [0.5, 0.2, 0.1]), P([3, 1, 2], [0.9, 0.0, 0.1])], T)
+    assert said == "; the needle's chunk: group 1 ranked it 2 of 3, w 0.300, group 2 ranked it 1 of 3, w 0.900", said
+    said = sample.needle_reads(prompt, answer, [P([7, 3], [0.6, 0.0])], T)
+    assert said == "; the needle's chunk: group 1 left it", said
+    assert sample.needle_reads(prompt, answer, [], T) == ""
+    late = [9] * 40
+    late[33:35] = answer  # chunk 8 of the last 9 (39 // 4): in the windows, never retrieved
+    assert sample.needle_reads(late, answer, [P([8, 1], [0.6, 0.3])], T) == ""
+
+
 def test_hop_hits_per_group():
     """2-hop's per-group columns on a hand-made case: hop 1 counts group 1's largest weight at the landmark a chunk
     ahead, hop 2 group 2's at the landmark serving the answer (a model of one group: group 1's there); the needle's
