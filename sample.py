@@ -29,9 +29,8 @@ import common
 from common import (Progress, as_batch, build_model, fmt_len, get_tokenizer, load_haystack, parse_lengths,
                     peak_mem_gib, prefill, read_checkpoint, retrieval_modes, shared_args, shared_problems)
 from model import skim_margin, window_reach
-from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, in_reach, key_owner, make_example
-from tasks import CHAINS, hop_hits, hop_spacing, min_length, needle_chunk, needle_picks, needles_and_question, score
-from tasks import wilson
+from tasks import NAMES, SCORE_AFTER, TASKS, TEMPLATES, UNSEEN_NAMES, in_reach, key_owner, make_example, on_needle
+from tasks import CHAINS, hop_hits, hop_spacing, min_length, needle_picks, needles_and_question, score, wilson
 
 # -----------------------------------------------------------------------------
 # Generation: a prompt, model.generate (the checkpoint: common.read_checkpoint, common.build_model)
@@ -254,17 +253,15 @@ def hop_reads(prompt, spans, picks, T, enc):
 
 
 def needle_reads(prompt, answer, picks, T):
-    """One hop: where each group ranked the needle's chunk (or the next, whose memory saw it) among its picks at the
-    landmark serving the answer, with its weight; a miss with the needle ranked first is a copy, not a retrieval."""
-    need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
-    if not picks or need is None or need >= last - 1:  # nothing picked, or in the last two chunks: no retrieval
+    """One hop: where each group ranked the needle (tasks.on_needle's picks) by weight at the landmark serving the
+    answer, and their weight; a miss with the needle ranked first is a copy, not a retrieval."""
+    if (on := on_needle(prompt, answer, picks, T)) is None:
         return ""
     said = []
-    for g, (idx, w) in enumerate(picks):
-        order = w.argsort(descending=True)
-        on = [r for r, j in enumerate(idx[order].tolist()) if j in (need, need + 1) and w[order[r]] > 0]
-        weight = float(sum(w[order[r]] for r in on))
-        said.append(f"group {g + 1} " + (f"ranked it {on[0] + 1} of {len(idx)}, w {weight:.3f}" if on else "left it"))
+    for g, ((idx, w), m) in enumerate(zip(picks, on)):
+        rank = int((w > w[m].max()).sum()) + 1 if m.any() else 0  # the best of its picks, ties in its favour
+        said.append(f"group {g + 1} " + (f"ranked it {rank} of {len(idx)}, w {float(w[m].sum()):.3f}" if rank else
+                                         "left it"))
     return "; the needle's chunk: " + ", ".join(said)
 
 

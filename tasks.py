@@ -499,18 +499,24 @@ def in_reach(prompt, answer, T, reach):
     return (len(prompt) - 1 + (len(prompt) - 1) // T) - (i + i // T) < reach
 
 
-def needle_picks(prompt, answer, picks, T):
-    """Retrieval's part in one answer -> (found: the needle's chunk, or the next whose memory saw it, picked
-    with weight > 0; hit@1: one of them got some upper group's largest weight; their weight (Eq. 3), mean over
-    the groups), or None in the last two chunks, which retrieval cannot pick (chunk c reads what chunk c-1's
-    landmark picked among chunks < c-1)."""
+def on_needle(prompt, answer, picks, T):
+    """Per upper group, a mask of its picks (idx, w) that hold the answer's needle (its chunk, or the next, whose memory
+    saw it) with weight > 0; None where retrieval has no part: no picks, no needle, or the needle in the last two
+    chunks, which retrieval cannot pick (chunk c reads what chunk c-1's landmark picked among chunks < c-1)."""
     need, last = needle_chunk(prompt, answer, T), (len(prompt) - 1) // T
     if not picks or need is None or need >= last - 1:
         return None
-    on_needle = [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
-    found = any(bool(m.any()) for m in on_needle)
-    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on_needle))
-    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on_needle)) / len(picks)
+    return [((idx == need) | (idx == need + 1)) & (w > 0) for idx, w in picks]
+
+
+def needle_picks(prompt, answer, picks, T):
+    """Retrieval's part in one answer -> (found: on_needle's picks exist; hit@1: one of them got some upper group's
+    largest weight; their weight (Eq. 3), mean over the groups), or None where on_needle is."""
+    if (on := on_needle(prompt, answer, picks, T)) is None:
+        return None
+    found = any(bool(m.any()) for m in on)
+    top = any(bool(m[w.argmax()]) for (_, w), m in zip(picks, on))
+    return found, top, sum(float(w[m].sum()) for (_, w), m in zip(picks, on)) / len(picks)
 
 
 def wilson(k, n, z=1.96):
