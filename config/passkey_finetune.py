@@ -17,7 +17,7 @@
 # letters against 4-8), so the validation loss shows whether names are matched or learned one by one.
 out_dir = "out-passkey"
 init_from = "out-passkey-pretrain"  # the weights and architecture of stage 1; a fresh optimizer and schedule
-dataset = "passkey,multikey"  # one model for both (2-hop vartrack is beyond this small model)
+dataset = "passkey,multikey"  # one model for both (2-hop variable tracking: config/twohop.py on top)
 task_haystack = "data/pg19/train.bin"
 task_haystack_frac = 0.5
 task_min_depth = 256
