@@ -58,7 +58,7 @@ data_dir = ""  # the prepared dataset's folder; "" = data/<dataset>
 copy_frac = 0.0  # text: the share of training rows that teach copying (tasks.copy_row); evaluation never has them
 teacher_iters = 0  # first steps in which GCA reads a teacher's chunks, not Eq. 1's (teacher.py); 0 = the paper
 teacher_slots = 0  # of top-k: 0 = the teacher fills all; n = its n best take Eq. 1's last n slots (Eq. 1's best stay)
-teacher_hops = False  # task rows: a landmark where some group has a needle label hands the teacher's chunks to those groups alone (an experiment)
+teacher_hops = False  # task rows: where some group has a needle label, the teacher's chunks go to those groups alone
 needle_loss = 0.0  # task rows: weight of teacher.needle_loss, Eq. 1 ranking the asked needle first in the batch
 train_embeddings = True  # False: a fine-tune keeps init_from's token embeddings (and so the tied output layer)
 # synthetic tasks (tasks.py)

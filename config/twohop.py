@@ -17,7 +17,7 @@
 # group 1's find in). The needle ranking loss names each hop in its group, at its landmark, and a one-hop row's needle
 # in group 1 alone (tasks.needle_labels); the teacher's chunks are those of config/passkey_finetune.py, which for
 # these rows are the two hops at their two landmarks, each handed to its own group (teacher.per_hop).
-# Two runs so far, both passing the 2-hop tests (the README's 2-hop table); earlier seeds trained on 1,008-token rows.
+# Three fresh seeds of three pass the 2-hop tests (the README's 2-hop table); earlier seeds trained on 1,008-token rows.
 out_dir = "out-twohop"
 init_from = "out-pre2"
 dataset = "passkey,multikey,vartrack,vartrack"  # half the rows 2-hop
